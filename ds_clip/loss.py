@@ -1,0 +1,153 @@
+"""The contrastive loss over the whole global batch, computed once per optimizer step.
+
+The step hands in this rank's k·m embeddings as leaves; this module gathers the other ranks'
+embeddings, computes the objective L of the full N = W·k·m batch, and says how the leaf gradients
+must be weighted so that DeepSpeed's *average* over ranks yields exactly ∂L/∂θ:
+
+================================  =========================  ===================  =================
+variant                           what rank r backprops      ∂/∂(local x) gives    logit_scale/bias
+================================  =========================  ===================  =================
+global, plain gather              L (same on every rank)     ∂L/∂x  -> coef W      full -> coef 1
+global, gather-with-grad          L; gather backward sums    W·∂L/∂x -> coef 1     full -> coef 1
+local + gather-with-grad          loss_r, Σ_r loss_r = W·L   W·∂L/∂x -> coef 1     partial, mean = ∂L/∂s
+SigLIP (local rows, all texts)    loss_r, Σ_r loss_r = W·L   W·∂L/∂x -> coef 1     partial, mean = ∂L/∂s
+================================  =========================  ===================  =================
+
+The "coef" is the factor the step applies to the leaf gradient before pushing it through the
+encoders; DeepSpeed then divides the summed parameter gradients by W. ``logit_scale``/``logit_bias``
+enter once per step (not once per micro-batch) with ``scalar_grad_coef``.
+
+Local loss *without* gather-with-grad drops the gradient that other ranks' rows send to this rank's
+embeddings: it is not the full-batch gradient, so it is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import open_clip
+import torch
+import torch.distributed.nn
+
+from ds_clip.distributed import all_reduce_mean
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """Which contrastive objective, and how it is computed across ranks."""
+
+    siglip: bool = False
+    """Sigmoid loss with a learnable bias (the model must have ``logit_bias``)."""
+    local_loss: bool = False
+    """Each rank computes only its rows against all columns (open_clip's --local-loss)."""
+    gather_with_grad: bool = False
+    """All-gather whose backward sends gradients back to the owning rank (open_clip's --gather-with-grad)."""
+    impl: str = "dense"
+    """'dense' (open_clip's own loss classes, N×N logits) or 'tiled' (ds_clip.tiled_loss, O(tile·N) memory)."""
+    tile_size: int = 4096
+    """Rows/columns per tile for impl='tiled'."""
+
+
+@dataclass
+class LossOutput:
+    backward_loss: torch.Tensor
+    """The scalar this rank backpropagates (once per step)."""
+    value: torch.Tensor
+    """The full-batch objective L, detached, identical on every rank."""
+    encoder_grad_coef: float
+    """Factor on the leaf-embedding gradients (see the module table)."""
+    scalar_grad_coef: float
+    """Factor on the logit_scale / logit_bias gradients."""
+
+
+class LossConfigError(ValueError):
+    """A loss configuration that would not train the full-batch objective."""
+
+
+class ContrastiveLoss:
+    """CLIP or SigLIP loss of the global batch, given this rank's embeddings."""
+
+    def __init__(self, spec: LossSpec, rank: int = 0, world_size: int = 1):
+        if spec.impl not in ("dense", "tiled"):
+            raise LossConfigError(f"--loss-impl must be 'dense' or 'tiled', got {spec.impl!r}")
+        if spec.local_loss and not spec.gather_with_grad and world_size > 1 and not spec.siglip:
+            raise LossConfigError(
+                "--local-loss without --gather-with-grad is not the full-batch gradient (each rank would "
+                "miss the gradient that the other ranks' rows send to its embeddings); add --gather-with-grad"
+            )
+        self.spec = spec
+        self.rank = rank
+        self.world_size = world_size
+        if spec.siglip:
+            self._dense = open_clip.SigLipLoss(rank=rank, world_size=world_size, dist_impl="gather")
+        else:
+            self._dense = open_clip.ClipLoss(
+                local_loss=spec.local_loss,
+                gather_with_grad=spec.gather_with_grad,
+                rank=rank,
+                world_size=world_size,
+            )
+
+    @property
+    def rank_losses_are_partial(self) -> bool:
+        """True where each rank's loss covers only its own rows (the value is their mean)."""
+        return self.world_size > 1 and (self.spec.siglip or self.spec.local_loss)
+
+    def __call__(
+        self,
+        image_features: torch.Tensor,
+        text_features: torch.Tensor,
+        logit_scale: torch.Tensor,
+        logit_bias: torch.Tensor | None = None,
+    ) -> LossOutput:
+        if self.spec.siglip and logit_bias is None:
+            raise LossConfigError(
+                "--siglip needs a model with logit_bias (e.g. a config with init_logit_bias)"
+            )
+        if self.spec.impl == "dense":
+            if self.spec.siglip:
+                loss = self._dense(image_features, text_features, logit_scale, logit_bias)
+            else:
+                loss = self._dense(image_features, text_features, logit_scale)
+        else:
+            loss = self._tiled(image_features, text_features, logit_scale, logit_bias)
+        value = all_reduce_mean(loss) if self.rank_losses_are_partial else loss.detach()
+        plain_global_gather = (
+            self.world_size > 1 and not self.rank_losses_are_partial and not self.spec.gather_with_grad
+        )
+        return LossOutput(
+            backward_loss=loss,
+            value=value,
+            encoder_grad_coef=float(self.world_size) if plain_global_gather else 1.0,
+            scalar_grad_coef=1.0,
+        )
+
+    def _tiled(self, image, text, scale, bias):
+        from ds_clip import tiled_loss
+
+        tile = self.spec.tile_size
+        if self.spec.siglip:
+            all_text = _all_gather_with_grad(text) if self.world_size > 1 else text
+            total = tiled_loss.siglip_loss_chunked(
+                image, all_text, scale, bias, row_offset=self.rank * image.shape[0], tile_size=tile
+            )
+            return total / image.shape[0]
+        if self.world_size == 1:
+            return tiled_loss.clip_loss_tiled(image, text, image, text, scale, 0, tile)
+        all_image, all_text = open_clip.loss.gather_features(
+            image,
+            text,
+            local_loss=self.spec.local_loss,
+            gather_with_grad=self.spec.gather_with_grad,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        if self.spec.local_loss:
+            return tiled_loss.clip_loss_tiled(
+                image, text, all_image, all_text, scale, self.rank * image.shape[0], tile
+            )
+        return tiled_loss.clip_loss_tiled(all_image, all_text, all_image, all_text, scale, 0, tile)
+
+
+def _all_gather_with_grad(t: torch.Tensor) -> torch.Tensor:
+    return torch.cat(torch.distributed.nn.all_gather(t), dim=0)

@@ -1,0 +1,147 @@
+"""open_clip models made ready for a DeepSpeed engine, and open_clip's parameter groups.
+
+Everything model-shaped comes from open_clip (architectures, tokenizers, transforms); this module only
+adds what DeepSpeed 0.19.x needs to hold an open_clip model correctly:
+
+* 0-dim parameters (``logit_scale``, SigLIP's ``logit_bias``) break DeepSpeed's start-up broadcast on
+  more than one rank (``_broadcast_model`` views every parameter as bytes). We store them as shape
+  ``[1]`` inside the engine and give them back as 0-dim in every ``state_dict()``, so checkpoints and
+  exported weights keep open_clip's shapes and load strictly into a plain open_clip model.
+* Under ZeRO-3 a parameter returned from ``forward`` (SigLIP returns ``logit_bias`` itself) is
+  released to an empty shard as soon as the module's forward ends; we return a copy instead so the
+  caller sees the value and gradients still flow to the parameter.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import open_clip
+import torch
+from torch import nn
+
+BUILTIN_CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
+# Registered with open_clip so the built-in names work anywhere open_clip resolves model names.
+open_clip.add_model_config(BUILTIN_CONFIG_DIR)
+BUILTIN_MODELS = sorted(p.stem for p in BUILTIN_CONFIG_DIR.glob("*.json"))
+
+
+@dataclass
+class ModelBundle:
+    """An open_clip model with the tokenizer and transforms that belong to it."""
+
+    model: nn.Module
+    tokenizer: Any
+    preprocess_train: Any
+    preprocess_val: Any
+    name: str
+    model_cfg: dict
+
+
+def load_model_cfg(name: str) -> dict:
+    """The open_clip model config (``embed_dim``, ``vision_cfg``, ``text_cfg``...) for a name."""
+    if name.startswith("local-dir:"):
+        cfg = json.loads((Path(name[len("local-dir:") :]) / "open_clip_config.json").read_text())
+        return cfg["model_cfg"]
+    cfg = open_clip.get_model_config(name)
+    if cfg is None:
+        raise ValueError(f"unknown open_clip model {name!r}")
+    return cfg
+
+
+def build_model(
+    name: str,
+    *,
+    pretrained: str | None = None,
+    seed: int | None = 0,
+    grad_checkpointing: bool = False,
+) -> ModelBundle:
+    """Create an open_clip model (fp32, on the CPU) plus its tokenizer and transforms.
+
+    ``seed`` makes the initial weights identical on every rank and in every run with that seed, which
+    the equivalence tests and the demo rely on (DeepSpeed also broadcasts rank 0's weights).
+    """
+    if seed is not None:
+        torch.manual_seed(seed)
+    kwargs: dict[str, Any] = {"output_dict": True}
+    if pretrained and not name.startswith("local-dir:"):
+        kwargs["pretrained"] = pretrained
+    model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(name, **kwargs)
+    if pretrained and name.startswith("local-dir:"):
+        # local-dir: loads the weights found in the folder itself; an extra file is loaded on top.
+        load_open_clip_weights(model, pretrained)
+    if grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    tokenizer = open_clip.get_tokenizer(name)
+    return ModelBundle(model, tokenizer, preprocess_train, preprocess_val, name, load_model_cfg(name))
+
+
+def load_open_clip_weights(model: nn.Module, path: str) -> None:
+    """Load an open_clip state dict (safetensors, or a torch file read with ``weights_only``)."""
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        state = load_file(path)
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = state.get("state_dict", state)
+    state = {k.removeprefix("module."): v for k, v in state.items()}
+    model.load_state_dict(state, strict=True)
+
+
+def prepare_for_deepspeed(model: nn.Module) -> list[str]:
+    """Make an open_clip model safe for a multi-rank DeepSpeed engine; returns the reshaped names."""
+    reshaped: list[str] = []
+    for module_name, module in model.named_modules():
+        for pname, param in list(module.named_parameters(recurse=False)):
+            if param.dim() == 0:
+                setattr(
+                    module, pname, nn.Parameter(param.detach().reshape(1), requires_grad=param.requires_grad)
+                )
+                reshaped.append(f"{module_name}.{pname}" if module_name else pname)
+    if reshaped and not getattr(model, "_ds_clip_shape_hooks", False):
+        names = set(reshaped)
+
+        def to_open_clip_shapes(module, state_dict, prefix, local_metadata):
+            for name in names:
+                key = prefix + name
+                if key in state_dict and state_dict[key].shape == (1,):
+                    state_dict[key] = state_dict[key].reshape(())
+            return state_dict
+
+        def from_open_clip_shapes(state_dict, prefix, *args, **kwargs):
+            for name in names:
+                key = prefix + name
+                if key in state_dict and state_dict[key].dim() == 0:
+                    state_dict[key] = state_dict[key].reshape(1)
+
+        model._register_state_dict_hook(to_open_clip_shapes)
+        model._register_load_state_dict_pre_hook(from_open_clip_shapes)
+        model._ds_clip_shape_hooks = True
+    if not getattr(model, "_ds_clip_output_hook", False):
+        model.register_forward_hook(_copy_parameter_outputs)
+        model._ds_clip_output_hook = True
+    return reshaped
+
+
+def _copy_parameter_outputs(module: nn.Module, args: Any, output: Any) -> Any:
+    # Registered before deepspeed.initialize, so it runs before ZeRO-3's post-forward release hook.
+    if isinstance(output, dict):
+        return {k: (v * 1 if isinstance(v, nn.Parameter) else v) for k, v in output.items()}
+    return output
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """open_clip's rule: no weight decay on gains, biases, norms and ``logit_scale``/``logit_bias``."""
+
+    def no_decay(name: str, p: torch.Tensor) -> bool:
+        return p.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [
+        {"params": [p for n, p in named if no_decay(n, p)], "weight_decay": 0.0},
+        {"params": [p for n, p in named if not no_decay(n, p)], "weight_decay": weight_decay},
+    ]

@@ -1,0 +1,178 @@
+"""One optimizer step of cached-feature gradient accumulation on a DeepSpeed engine.
+
+The engine runs with ``gradient_accumulation_steps=1`` and ``managed_gradient_accumulation=false``
+(see ``STEP_ENGINE_KEYS``): each ``engine.backward`` only accumulates locally and ``engine.step()``
+is the one accumulation boundary, so DeepSpeed neither drops earlier micro-batches (the ZeRO-1/2
+trap in the facts note) nor miscounts samples (``global_samples`` advances by k·m·W).
+
+Phases, for k micro-batches of m pairs on each of W ranks (N = W·k·m):
+
+1. Embed. Micro-batch 0 runs forward *with* grad and keeps its graph (it is never recomputed, so
+   k = 1 is exactly a plain step). Micro-batches 1..k-1 run under ``torch.no_grad()`` with their RNG
+   state (CPU and device) recorded and BatchNorm running statistics frozen.
+2. Loss once. The k·m embeddings become fp32 leaves; ``ContrastiveLoss`` gathers the other ranks'
+   embeddings and computes the full-batch loss; ``autograd.grad`` gives g_j = ∂L/∂(embeddings of
+   micro-batch j) and the gradients of logit_scale / logit_bias.
+3. Push back. For each micro-batch the surrogate ⟨embeddings_j, g_j⟩ (fp32) is backpropagated
+   through the encoders (micro-batch 0 through its kept graph, the others after recomputing with
+   their RNG state restored). The logit_scale / logit_bias term is added once per step, to
+   micro-batch 0's surrogate. Then one ``engine.step()``.
+
+No I/O and no logging here: the loop owns cadence and side effects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ds_clip.loss import ContrastiveLoss
+
+# What the DeepSpeed JSON must contain for this step to be exact (merged by ds_config).
+STEP_ENGINE_KEYS = {"gradient_accumulation_steps": 1, "managed_gradient_accumulation": False}
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor
+    """Full-batch objective of this step (detached, same on every rank)."""
+    logit_scale: torch.Tensor
+    """exp(logit_scale) used in this step (detached)."""
+    local_samples: int
+    """Pairs this rank trained on in this step (k·m)."""
+    micro_batches: int
+    """k."""
+
+
+def input_dtype(engine) -> torch.dtype:
+    if engine.bfloat16_enabled():
+        return torch.bfloat16
+    if engine.fp16_enabled():
+        return torch.float16
+    return torch.float32
+
+
+@contextlib.contextmanager
+def frozen_batchnorm_stats(module: nn.Module) -> Iterator[None]:
+    """Train-mode BatchNorm that normalises with batch statistics but leaves running stats alone.
+
+    With ``track_running_stats=False`` a training BatchNorm uses the batch statistics exactly as a
+    tracking one does, but neither updates ``running_mean``/``running_var`` nor ``num_batches_tracked``,
+    so the no-grad pass computes the same embeddings without counting the micro-batch twice.
+    """
+    bns = [
+        m
+        for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+    ]
+    for m in bns:
+        m.track_running_stats = False
+    try:
+        yield
+    finally:
+        for m in bns:
+            m.track_running_stats = True
+
+
+def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:
+    device_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    return torch.get_rng_state(), device_state
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    cpu, device = state
+    torch.set_rng_state(cpu)
+    if device is not None:
+        torch.cuda.set_rng_state(device)
+
+
+def _dot(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    # fp32 dot so bf16/fp16 embeddings receive their gradient without a low-precision reduction.
+    return (a.float() * g).sum()
+
+
+def cached_step(
+    engine,
+    micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: ContrastiveLoss,
+    *,
+    micro_batch_seeds: Sequence[int] | None = None,
+) -> StepResult:
+    """Train one optimizer step on k = len(micro_batches) micro-batches of (images, token ids).
+
+    ``micro_batch_seeds`` (optional, one per micro-batch) reseeds the RNGs before each micro-batch's
+    first forward, so stochastic layers draw the same numbers for the same global micro-batch
+    whatever the (W, k) split; without it the running RNG stream is used (and still restored for
+    the recompute).
+    """
+    k = len(micro_batches)
+    if k < 1:
+        raise ValueError("cached_step needs at least one micro-batch")
+    if micro_batch_seeds is not None and len(micro_batch_seeds) != k:
+        raise ValueError(f"{len(micro_batch_seeds)} seeds for {k} micro-batches")
+    dtype = input_dtype(engine)
+    device = engine.device
+    batches = [(i.to(device=device, dtype=dtype), t.to(device=device)) for i, t in micro_batches]
+
+    def seed(j: int) -> None:
+        if micro_batch_seeds is not None:
+            torch.manual_seed(micro_batch_seeds[j])
+
+    # Phase 1: embed. Micro-batch 0 keeps its graph; the rest are cached without one.
+    seed(0)
+    out0 = engine(image=batches[0][0], text=batches[0][1])
+    images = [out0["image_features"].detach()]
+    texts = [out0["text_features"].detach()]
+    rng_states: list = [None]
+    with torch.no_grad(), frozen_batchnorm_stats(engine.module):
+        for j in range(1, k):
+            seed(j)
+            rng_states.append(_rng_state())
+            out = engine(image=batches[j][0], text=batches[j][1])
+            images.append(out["image_features"])
+            texts.append(out["text_features"])
+    rng_after_embed = _rng_state()
+
+    # Phase 2: the loss over all N pairs, once, in fp32.
+    image_leaf = torch.cat(images).float().requires_grad_(True)
+    text_leaf = torch.cat(texts).float().requires_grad_(True)
+    scale_out = out0["logit_scale"]
+    bias_out = out0.get("logit_bias")
+    leaves = [image_leaf, text_leaf, scale_out.detach().float().requires_grad_(True)]
+    if bias_out is not None and loss_fn.spec.siglip:
+        leaves.append(bias_out.detach().float().requires_grad_(True))
+    result = loss_fn(*leaves)
+    grads = torch.autograd.grad(result.backward_loss, leaves)
+    sizes = [b[0].shape[0] for b in batches]
+    g_images = (grads[0] * result.encoder_grad_coef).split(sizes)
+    g_texts = (grads[1] * result.encoder_grad_coef).split(sizes)
+    g_scalars = [g * result.scalar_grad_coef for g in grads[2:]]
+
+    # Phase 3: push the embedding gradients back through the encoders, then step once.
+    for j in range(k):
+        if j == 0:
+            out = out0
+        else:
+            _set_rng_state(rng_states[j])
+            out = engine(image=batches[j][0], text=batches[j][1])
+        surrogate = _dot(out["image_features"], g_images[j]) + _dot(out["text_features"], g_texts[j])
+        if j == 0:
+            # logit_scale (and logit_bias) enter exactly once per step.
+            surrogate = surrogate + _dot(out["logit_scale"], g_scalars[0])
+            if len(g_scalars) > 1:
+                surrogate = surrogate + _dot(out["logit_bias"], g_scalars[1])
+        engine.backward(surrogate)
+        del out, surrogate
+    del out0
+    _set_rng_state(rng_after_embed)
+    engine.step()
+    return StepResult(
+        loss=result.value,
+        logit_scale=scale_out.detach().float().reshape(()),
+        local_samples=sum(sizes),
+        micro_batches=k,
+    )
