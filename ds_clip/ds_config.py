@@ -1,0 +1,274 @@
+"""DeepSpeed JSON: a preset from ds_configs/ (engine settings only) + TrainSettings -> resolved config.
+
+The preset owns the engine: ZeRO stage and buckets, offload, communication. ds_clip owns everything
+that decides what a step computes: batch sizes, accumulation, optimizer, learning rate, precision,
+clipping. A preset key that disagrees with a flag is an error naming both; a key that repeats the flag's
+value is fine. No deepspeed import here: presets are checked before any process group starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from ds_clip.config import SettingsError, TrainSettings, settings_to_dict
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
+
+# Keys the accumulation step needs in the engine config (filled by the step's author). A preset that
+# sets one of them to another value is refused.
+STEP_ENGINE_KEYS: dict[str, Any] = {}
+
+# Keys that change what a gradient means; a preset may only repeat the value the step expects
+# (STEP_ENGINE_KEYS' value when it sets one, else DeepSpeed's default, which the step assumes).
+_GRADIENT_MEANING_DEFAULTS: dict[str, Any] = {
+    "gradient_allreduce_op": "mean",  # ranks' gradients averaged; the step's W scaling relies on it
+    "managed_gradient_accumulation": True,
+}
+
+# Huge: DeepSpeed would otherwise print its own step lines; ds_clip logs samples/s itself.
+STEPS_PER_PRINT = 1_000_000_000
+
+_ACCUM_HINT = "ds_clip accumulates itself with exact cached features; use --accum-freq instead"
+
+
+def list_presets() -> list[str]:
+    """Names of the presets shipped in ds_configs/ (file names without .json), sorted."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def preset_label(name_or_path: str) -> str:
+    """How error messages name a preset: "ds_configs/zero2_bf16.json" or the path the user gave."""
+    return name_or_path if name_or_path.endswith(".json") else f"ds_configs/{name_or_path}.json"
+
+
+def load_preset(name_or_path: str) -> dict[str, Any]:
+    """A preset name (ds_configs/<name>.json) or a path ending .json -> its JSON object."""
+    if name_or_path.endswith(".json"):
+        path = Path(name_or_path).expanduser()
+        if not path.is_file():
+            raise SettingsError(f"--ds-config {name_or_path}: no such file")
+    else:
+        path = PRESET_DIR / f"{name_or_path}.json"
+        if not path.is_file():
+            raise SettingsError(
+                f"--ds-config {name_or_path!r} is neither a preset ({', '.join(list_presets())}) "
+                "nor a path ending .json"
+            )
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SettingsError(f"--ds-config {path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise SettingsError(f"--ds-config {path}: the top level must be a JSON object")
+    return data
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return abs(float(a) - float(b)) <= 1e-12 * max(1.0, abs(float(a)), abs(float(b)))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _js(value: Any) -> str:
+    return json.dumps(value)
+
+
+def _conflict(key: str, value: Any, label: str, flag: str, flag_value: Any) -> SettingsError:
+    return SettingsError(f"{key}={_js(value)} in {label} conflicts with {flag} {flag_value}")
+
+
+def _step_conflict(key: str, value: Any, label: str, expected: Any) -> SettingsError:
+    return SettingsError(
+        f"{key}={_js(value)} in {label} conflicts with ds_clip's accumulation step "
+        f"(needs {_js(expected)}; --accum-freq): remove it"
+    )
+
+
+def _merge_step_keys(cfg: dict[str, Any], required: dict[str, Any], label: str, prefix: str = "") -> None:
+    """Deep-merge STEP_ENGINE_KEYS into cfg; a preset leaf with another value is an error."""
+    for key, value in required.items():
+        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
+            _merge_step_keys(cfg[key], value, label, f"{prefix}{key}.")
+            continue
+        if key in cfg and not _same(cfg[key], value):
+            raise _step_conflict(prefix + key, cfg[key], label, value)
+        cfg[key] = copy.deepcopy(value)
+
+
+def _resolve(s: TrainSettings, world_size: int | None) -> dict[str, Any]:
+    label = preset_label(s.ds_config or f"zero1_{s.precision}")
+    cfg = copy.deepcopy(load_preset(s.ds_config or f"zero1_{s.precision}"))
+    m = s.batch_size
+
+    # --- batch: m per rank per pass, one engine step per pass; ds_clip's step does the k passes. ---
+    gas = cfg.pop("gradient_accumulation_steps", 1)
+    if not _same(gas, 1):
+        raise SettingsError(f"gradient_accumulation_steps={_js(gas)} in {label}: {_ACCUM_HINT}")
+    mb = cfg.pop("train_micro_batch_size_per_gpu", m)
+    if not _same(mb, m):
+        raise _conflict("train_micro_batch_size_per_gpu", mb, label, "--batch-size", m)
+    tbs = cfg.pop("train_batch_size", None)
+    if tbs is not None and world_size is None and not (isinstance(tbs, int) and tbs >= m and tbs % m == 0):
+        raise SettingsError(
+            f"train_batch_size={_js(tbs)} in {label} is not a multiple of --batch-size {m}: drop it"
+        )
+    if tbs is not None and world_size is not None and not _same(tbs, m * world_size):
+        raise SettingsError(
+            f"train_batch_size={_js(tbs)} in {label} is not --batch-size x world size = {m} x {world_size}: "
+            f"drop it; {_ACCUM_HINT}"
+        )
+    if "elasticity" in cfg:
+        raise SettingsError(
+            f"elasticity in {label}: it changes batch sizes, which come from --batch-size/--accum-freq"
+        )
+
+    # --- ZeRO stage: --zero-stage overrides the preset (CLI > preset). ---
+    zero = cfg.setdefault("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise SettingsError(f"zero_optimization in {label} must be a JSON object")
+    if s.zero_stage is not None:
+        zero["stage"] = s.zero_stage
+    zero.setdefault("stage", 0)
+    stage = zero["stage"]
+    if stage not in (0, 1, 2, 3):
+        raise SettingsError(f"zero_optimization.stage={_js(stage)} in {label} must be 0, 1, 2 or 3")
+
+    offload: dict[str, str] = {}
+    for key in ("offload_optimizer", "offload_param"):
+        section = zero.get(key) or {}
+        if not isinstance(section, dict):
+            raise SettingsError(f"zero_optimization.{key} in {label} must be a JSON object")
+        offload[key] = section.get("device", "none")
+    offload_opt = offload["offload_optimizer"]
+    if offload_opt != "none" and stage == 0:
+        raise SettingsError(
+            f"zero_optimization.offload_optimizer in {label} needs ZeRO stage 1, 2 or 3, not 0"
+        )
+    if offload["offload_param"] != "none" and stage != 3:
+        raise SettingsError(f"zero_optimization.offload_param in {label} needs ZeRO stage 3, not {stage}")
+
+    # --- precision: exactly the section --precision names is enabled. ---
+    if "bfloat16" in cfg:  # DeepSpeed's old spelling; it reads it only when "bf16" is absent
+        if "bf16" in cfg:
+            raise SettingsError(f"{label} has both bf16 and bfloat16 sections: keep bf16")
+        cfg["bf16"] = cfg.pop("bfloat16")
+    for key, wanted in (("bf16", s.precision == "bf16"), ("fp16", s.precision == "fp16")):
+        section = cfg.setdefault(key, {})
+        if not isinstance(section, dict):
+            raise SettingsError(f"{key} in {label} must be a JSON object")
+        if "enabled" in section and not _same(section["enabled"], wanted):
+            raise _conflict(f"{key}.enabled", section["enabled"], label, "--precision", s.precision)
+        section["enabled"] = wanted
+    if cfg["fp16"]["enabled"]:
+        cfg["fp16"].setdefault("loss_scale", 0)  # 0: dynamic loss scaling
+        if stage == 0:
+            raise SettingsError(
+                f"--precision fp16 with ZeRO stage 0 ({label}"
+                + (", --zero-stage 0" if s.zero_stage == 0 else "")
+                + "): DeepSpeed 0.19.x gives updates ~loss-scale times too small there (upstream PR #8393 "
+                "open); use --precision bf16 or --zero-stage 1, 2 or 3"
+            )
+    autocast = cfg.get("torch_autocast")
+    if isinstance(autocast, dict) and autocast.get("enabled"):
+        raise _conflict("torch_autocast.enabled", True, label, "--precision", s.precision)
+
+    # --- clipping ---
+    clip = 0.0 if s.grad_clip_norm is None else float(s.grad_clip_norm)
+    if "gradient_clipping" in cfg and not _same(cfg["gradient_clipping"], clip):
+        raise _conflict(
+            "gradient_clipping", cfg["gradient_clipping"], label, "--grad-clip-norm", s.grad_clip_norm
+        )
+    cfg["gradient_clipping"] = clip
+
+    # --- optimizer: AdamW from the flags; the schedule is ds_clip's own (cosine, linear warmup). ---
+    if "scheduler" in cfg:
+        raise SettingsError(
+            f"scheduler in {label}: ds_clip runs its own cosine schedule with linear warmup (--lr, --warmup); "
+            "remove the scheduler section"
+        )
+    cpu_optimizer = offload_opt in ("cpu", "nvme")
+    params: dict[str, Any] = {
+        "lr": s.lr,
+        "betas": [s.beta1, s.beta2],
+        "eps": s.eps,
+        "weight_decay": s.wd,
+    }
+    preset_opt = cfg.get("optimizer")
+    if preset_opt is not None:
+        if not isinstance(preset_opt, dict):
+            raise SettingsError(f"optimizer in {label} must be a JSON object")
+        opt_type = preset_opt.get("type", "AdamW")
+        if str(opt_type).lower() != "adamw":
+            raise SettingsError(
+                f"optimizer.type={_js(opt_type)} in {label} conflicts with ds_clip's AdamW: remove it"
+            )
+        flags = {"lr": "--lr", "betas": "--beta1/--beta2", "eps": "--eps", "weight_decay": "--wd"}
+        for key, value in (preset_opt.get("params") or {}).items():
+            if key in flags:
+                if not _same(value, params[key]):
+                    shown = params[key] if key != "betas" else f"{s.beta1}/{s.beta2}"
+                    raise _conflict(f"optimizer.params.{key}", value, label, flags[key], shown)
+            elif key == "adam_w_mode" and not value:
+                raise _conflict(
+                    "optimizer.params.adam_w_mode", value, label, "--wd", "(decoupled AdamW decay)"
+                )
+            elif key in ("torch_adam", "foreach", "fp32_optimizer_states", "adam_w_mode"):
+                params[key] = value  # engine choices: which Adam kernel runs the same update
+            else:
+                raise SettingsError(
+                    f"optimizer.params.{key} in {label} is not an engine setting ds_clip passes on: remove it"
+                )
+    # torch.optim.AdamW runs anywhere (FusedAdam needs a CUDA build); with the optimizer offloaded to the
+    # CPU, DeepSpeed's own CPU Adam is much faster, and torch_adam would take precedence over it.
+    if not cpu_optimizer:
+        params.setdefault("torch_adam", True)
+    cfg["optimizer"] = {"type": "AdamW", "params": params}
+
+    # --- keys the accumulation step relies on ---
+    for key, expected in _GRADIENT_MEANING_DEFAULTS.items():
+        if key not in STEP_ENGINE_KEYS and key in cfg and not _same(cfg[key], expected):
+            raise _step_conflict(key, cfg[key], label, expected)
+    _merge_step_keys(cfg, STEP_ENGINE_KEYS, label)
+
+    if world_size is not None:
+        cfg["train_micro_batch_size_per_gpu"] = m
+        cfg["gradient_accumulation_steps"] = 1
+        cfg["train_batch_size"] = m * world_size
+    cfg.setdefault("steps_per_print", STEPS_PER_PRINT)  # a preset may ask for DeepSpeed's prints
+    cfg.setdefault("wall_clock_breakdown", False)  # a preset may ask for DeepSpeed's timers
+    cfg["zero_allow_untested_optimizer"] = True  # torch AdamW under ZeRO is "untested" to DeepSpeed
+    return cfg
+
+
+def check_preset(s: TrainSettings) -> None:
+    """Raise SettingsError if the preset is missing, unreadable or disagrees with the flags.
+
+    Called from config.validate before the world size is known; train_batch_size is checked later.
+    """
+    _resolve(s, world_size=None)
+
+
+def resolve_ds_config(s: TrainSettings, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config for `deepspeed.initialize(config=...)`: preset engine settings + flags.
+
+    train_batch_size = m * W and gradient_accumulation_steps = 1: every engine step is one micro-batch;
+    ds_clip's step runs the k micro-batches of an optimizer step itself.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return _resolve(s, world_size)
+
+
+def write_run_files(run_dir: Path, settings: TrainSettings, ds_json: dict[str, Any]) -> None:
+    """Write settings.json and ds_config.json (indented) into the run folder. Rank 0 only."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "settings.json").write_text(json.dumps(settings_to_dict(settings), indent=2) + "\n")
+    (run_dir / "ds_config.json").write_text(json.dumps(ds_json, indent=2) + "\n")

@@ -1,0 +1,449 @@
+"""Unit tests of the settings and the DeepSpeed JSON resolution (single process, no engine).
+
+Contract: CLI > preset > defaults; every bad input is a SettingsError naming the flag or JSON key;
+every shipped preset resolves into a config DeepSpeed 0.19.8 parses without unknown or deprecated keys.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from ds_clip import ds_config as dsc
+from ds_clip.config import (
+    SettingsError,
+    TrainSettings,
+    build_parser,
+    parse_settings,
+    settings_to_dict,
+    validate,
+)
+from ds_clip.ds_config import (
+    PRESET_DIR,
+    list_presets,
+    load_preset,
+    resolve_ds_config,
+    write_run_files,
+)
+
+
+def _preset_precision(preset: dict) -> str:
+    if preset.get("bf16", {}).get("enabled"):
+        return "bf16"
+    if preset.get("fp16", {}).get("enabled"):
+        return "fp16"
+    return "fp32"
+
+
+def _write_json(tmp_path: Path, data: dict, name: str = "custom.json") -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+# ---------------------------------------------------------------- defaults and precedence
+
+
+def test_defaults_parse_and_resolve_to_zero1_fp32():
+    s = parse_settings([])
+    assert (s.batch_size, s.accum_freq, s.epochs, s.precision, s.dataset_type) == (
+        8,
+        1,
+        1,
+        "fp32",
+        "synthetic",
+    )
+    assert s.loss_impl == "dense" and s.report_to == [] and s.local_rank == -1
+    assert s.name.endswith("-model_ds-clip-tiny-m_8-k_1") and s.name[:4].isdigit()
+    cfg = resolve_ds_config(s, world_size=4)
+    assert cfg["zero_optimization"]["stage"] == 1  # default preset zero1_<precision>
+    assert cfg["train_micro_batch_size_per_gpu"] == 8
+    assert cfg["gradient_accumulation_steps"] == 1
+    assert cfg["train_batch_size"] == 8 * 4  # m * W: accumulation is ds_clip's, not the engine's
+    assert cfg["bf16"]["enabled"] is False and cfg["fp16"]["enabled"] is False
+    assert cfg["gradient_clipping"] == 0.0
+    assert cfg["optimizer"] == {
+        "type": "AdamW",
+        "params": {"lr": 5e-4, "betas": [0.9, 0.98], "eps": 1e-6, "weight_decay": 0.2, "torch_adam": True},
+    }
+    assert cfg["zero_allow_untested_optimizer"] is True and cfg["wall_clock_breakdown"] is False
+    assert cfg["steps_per_print"] >= 10**9
+    assert "scheduler" not in cfg
+
+
+def test_cli_overrides_preset_and_preset_overrides_defaults():
+    # Preset over default: zero2_bf16 sets the precision when --precision is not given.
+    s = parse_settings(["--ds-config", "zero2_bf16"])
+    assert s.precision == "bf16"
+    cfg = resolve_ds_config(s, world_size=2)
+    assert cfg["zero_optimization"]["stage"] == 2 and cfg["bf16"]["enabled"] is True
+    assert (
+        cfg["zero_optimization"]["reduce_bucket_size"]
+        == load_preset("zero2_bf16")["zero_optimization"]["reduce_bucket_size"]
+    )  # engine settings come from the preset untouched
+    # CLI over preset: --zero-stage replaces the preset's stage; batch/optimizer flags fill the rest.
+    s = parse_settings(
+        ["--ds-config", "zero2_bf16", "--zero-stage", "3", "--batch-size", "5", "--accum-freq", "3"]
+        + ["--lr", "1e-3", "--wd", "0.1", "--beta1", "0.8", "--beta2", "0.95", "--eps", "1e-8"]
+        + ["--grad-clip-norm", "2.5"]
+    )
+    cfg = resolve_ds_config(s, world_size=2)
+    assert cfg["zero_optimization"]["stage"] == 3
+    assert (
+        cfg["train_micro_batch_size_per_gpu"],
+        cfg["train_batch_size"],
+        cfg["gradient_accumulation_steps"],
+    ) == (
+        5,
+        10,
+        1,
+    )
+    assert cfg["gradient_clipping"] == 2.5
+    assert cfg["optimizer"]["params"] == {
+        "lr": 1e-3,
+        "betas": [0.8, 0.95],
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+        "torch_adam": True,
+    }
+    # The default preset follows --precision.
+    assert resolve_ds_config(parse_settings(["--precision", "bf16"]), 1)["bf16"]["enabled"] is True
+
+
+def test_resolve_does_not_mutate_the_preset_and_is_repeatable():
+    s = parse_settings(["--ds-config", "zero3_bf16", "--zero-stage", "1"])
+    first = resolve_ds_config(s, 2)
+    assert load_preset("zero3_bf16")["zero_optimization"]["stage"] == 3
+    assert resolve_ds_config(s, 2) == first
+
+
+def test_dataset_type_follows_train_data(tmp_path):
+    for i in range(2):
+        (tmp_path / f"shard-{i:03d}.tar").write_bytes(b"")
+    pattern = str(tmp_path / "shard-{000..001}.tar")
+    s = parse_settings(["--train-data", pattern + "::pipe:curl -s http://x/{0..3}.tar"])
+    assert s.dataset_type == "webdataset"
+    assert parse_settings([]).dataset_type == "synthetic"
+
+
+def test_report_to_is_a_list_and_settings_are_json_able():
+    s = parse_settings(["--report-to", "tensorboard, csv", "--name", "run1"])
+    assert s.report_to == ["tensorboard", "csv"] and s.name == "run1"
+    assert json.loads(json.dumps(settings_to_dict(s)))["report_to"] == ["tensorboard", "csv"]
+
+
+@pytest.mark.parametrize("argv", [["--local_rank=3"], ["--local_rank", "3"], ["--local-rank=3"]])
+def test_local_rank_appended_by_the_launcher_is_accepted(argv):
+    assert parse_settings(["--batch-size", "4", *argv]).local_rank == 3
+
+
+def test_help_names_every_flag():
+    text = build_parser().format_help()
+    for flag in ("--accum-freq", "--batch-size", "--ds-config", "--zero-stage", "--precision", "--report-to"):
+        assert flag in text
+    assert "--local_rank" not in text  # set by the launcher, not by users
+
+
+def test_argparse_type_errors_exit_2():
+    with pytest.raises(SystemExit) as e:
+        parse_settings(["--batch-size", "many"])
+    assert e.value.code == 2
+
+
+# ---------------------------------------------------------------- bad inputs name the flag
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--accum-freq", "0"], "--accum-freq must be >= 1, got 0"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--epochs", "0"], "--epochs"),
+        (["--max-steps", "0"], "--max-steps"),
+        (["--lr", "0"], "--lr"),
+        (["--beta1", "1.0"], "--beta1"),
+        (["--beta2", "-0.1"], "--beta2"),
+        (["--eps", "0"], "--eps"),
+        (["--warmup", "-1"], "--warmup"),
+        (["--grad-clip-norm", "0"], "--grad-clip-norm"),
+        (["--zero-stage", "4"], "--zero-stage"),
+        (["--workers", "-1"], "--workers"),
+        (["--log-every-n-steps", "0"], "--log-every-n-steps"),
+        (["--save-every-n-steps", "0"], "--save-every-n-steps"),
+        (["--local-loss"], "--gather-with-grad"),
+        (["--dataset-type", "webdataset"], "--train-data"),
+        (["--train-data", "/nonexistent/shard-{000..003}.tar"], "/nonexistent/shard-{000..003}.tar"),
+        (["--val-data", "/nonexistent/val.tar"], "--val-data"),
+        (["--pretrained", "/nonexistent/weights.pt"], "--pretrained"),
+        (["--pretrained", "https://example.com/w.pt"], "--pretrained"),
+        (["--pretrained", "openai"], "--pretrained"),
+        (["--model", "local-dir:/nonexistent"], "--model"),
+        (["--resume", "latest"], "--name"),
+        (["--resume", "/nonexistent/ckpt"], "--resume"),
+        (["--report-to", "tensorboard,mlflow"], "--report-to"),
+        (["--name", "a/b"], "--name"),
+        (["--ds-config", "zero9_fp64"], "--ds-config"),
+        (["--ds-config", "/nonexistent/x.json"], "--ds-config"),
+        (
+            ["--ds-config", "zero2_bf16", "--precision", "fp32"],
+            "bf16.enabled=true in ds_configs/zero2_bf16.json",
+        ),
+        (["--ds-config", "zero1_fp16", "--zero-stage", "0"], "PR #8393"),
+    ],
+)
+def test_bad_input_raises_settings_error_naming_the_flag(argv, needle):
+    with pytest.raises(SettingsError) as e:
+        parse_settings(argv)
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_local_loss_with_gather_with_grad_and_siglip_gather_are_fine():
+    parse_settings(["--local-loss", "--gather-with-grad"])
+    parse_settings(["--siglip", "--gather-with-grad", "--model", "ds-clip-tiny-siglip"])
+
+
+def test_partly_missing_shards_are_an_error(tmp_path):
+    (tmp_path / "s-0.tar").write_bytes(b"")
+    with pytest.raises(SettingsError, match="1 of 2 shards"):
+        parse_settings(["--train-data", str(tmp_path / "s-{0..1}.tar")])
+
+
+def test_train_data_with_synthetic_type_is_an_error(tmp_path):
+    (tmp_path / "s.tar").write_bytes(b"")
+    with pytest.raises(SettingsError, match="--dataset-type"):
+        parse_settings(["--train-data", str(tmp_path / "s.tar"), "--dataset-type", "synthetic"])
+
+
+def test_model_names(tmp_path):
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    (folder / "open_clip_config.json").write_text("{}")
+    parse_settings(["--model", f"local-dir:{folder}"])
+    weights = tmp_path / "w.pt"
+    weights.write_bytes(b"")
+    with pytest.raises(SettingsError, match="--pretrained is ignored"):
+        parse_settings(["--model", f"local-dir:{folder}", "--pretrained", str(weights)])
+    parse_settings(["--model", "ViT-B-32", "--pretrained", str(weights)])  # open_clip name + local file
+    with pytest.raises(SettingsError, match="--model 'ViT-Q-99' is unknown"):
+        parse_settings(["--model", "ViT-Q-99"])
+
+
+def test_validate_checks_directly_built_settings():
+    with pytest.raises(SettingsError, match="--precision"):
+        validate(TrainSettings(precision="fp8"))
+    with pytest.raises(SettingsError, match="--loss-impl"):
+        validate(TrainSettings(loss_impl="sparse"))
+    validate(TrainSettings())  # name None is fine: the trainer names the run
+
+
+# ---------------------------------------------------------------- presets
+
+
+def test_every_preset_resolves_and_deepspeed_parses_it_without_deprecated_keys():
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.utils import logger as ds_logger
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    ds_logger.addHandler(handler)
+    try:
+        names = list_presets()
+        assert {"zero0_fp32", "zero1_bf16", "zero2_fp16", "zero3_offload_bf16"} <= set(names)
+        assert "zero0_fp16" not in names  # refused combination, see test_fp16_with_stage_0_is_refused
+        for name in names:
+            preset = load_preset(name)
+            assert set(preset) <= {"zero_optimization", "bf16", "fp16"}, name  # engine settings only
+            precision = _preset_precision(preset)
+            # world_size=1: DeepSpeedConfig checks train_batch_size against this process's world size.
+            cfg = resolve_ds_config(TrainSettings(ds_config=name, precision=precision), world_size=1)
+            parsed = DeepSpeedConfig(json.loads(json.dumps(cfg)))
+            assert parsed.zero_optimization_stage == preset["zero_optimization"]["stage"], name
+            assert parsed.bfloat16_config.enabled is (precision == "bf16"), name
+            assert parsed.float16_config.enabled is (precision == "fp16"), name
+            assert parsed.train_batch_size == 8 and parsed.gradient_accumulation_steps == 1, name
+            assert name.startswith(f"zero{parsed.zero_optimization_stage}_") and name.endswith(precision), (
+                name
+            )
+            # A preset resolves only with the precision it is named for.
+            for other in {"fp32", "bf16", "fp16"} - {precision}:
+                with pytest.raises(SettingsError, match="--precision"):
+                    resolve_ds_config(TrainSettings(ds_config=name, precision=other), world_size=2)
+    finally:
+        ds_logger.removeHandler(handler)
+    assert not [r.getMessage() for r in records if "deprecat" in r.getMessage().lower()]
+
+
+def test_offload_drops_torch_adam_so_deepspeed_uses_cpu_adam():
+    for name in ("zero2_offload_bf16", "zero3_offload_bf16"):
+        cfg = resolve_ds_config(TrainSettings(ds_config=name, precision="bf16"), world_size=1)
+        assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+        assert "torch_adam" not in cfg["optimizer"]["params"]
+    cfg = resolve_ds_config(TrainSettings(ds_config="zero3_offload_bf16", precision="bf16"), 1)
+    assert cfg["zero_optimization"]["offload_param"]["device"] == "cpu"
+
+
+def test_fp16_with_stage_0_is_refused(tmp_path):
+    path = _write_json(tmp_path, {"zero_optimization": {"stage": 0}, "fp16": {"enabled": True}})
+    with pytest.raises(SettingsError, match="--zero-stage 1, 2 or 3"):
+        parse_settings(["--ds-config", path])
+    s = parse_settings(["--ds-config", "zero1_fp16"])
+    assert resolve_ds_config(s, 1)["fp16"]["loss_scale"] == 0  # dynamic loss scaling
+
+
+def test_fp16_gets_dynamic_loss_scale_when_preset_has_none(tmp_path):
+    path = _write_json(tmp_path, {"zero_optimization": {"stage": 2}})
+    cfg = resolve_ds_config(TrainSettings(ds_config=path, precision="fp16"), 1)
+    assert cfg["fp16"] == {"enabled": True, "loss_scale": 0}
+
+
+def test_unknown_preset_lists_the_presets_and_bad_json_names_the_file(tmp_path):
+    with pytest.raises(SettingsError) as e:
+        load_preset("zero5")
+    assert "--ds-config" in str(e.value) and "zero2_bf16" in str(e.value)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{ not json")
+    with pytest.raises(SettingsError, match=str(bad)):
+        load_preset(str(bad))
+    assert PRESET_DIR.name == "ds_configs" and PRESET_DIR.is_dir()
+
+
+# ---------------------------------------------------------------- conflicts between preset and flags
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"gradient_accumulation_steps": 4}, "use --accum-freq instead"),
+        ({"train_batch_size": 64}, "--accum-freq"),
+        (
+            {"train_micro_batch_size_per_gpu": 16},
+            "train_micro_batch_size_per_gpu=16 in {label} conflicts with --batch-size 8",
+        ),
+        ({"gradient_clipping": 1.0}, "gradient_clipping=1.0 in {label} conflicts with --grad-clip-norm"),
+        (
+            {"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}},
+            "optimizer.params.lr=0.1 in {label} conflicts with --lr",
+        ),
+        ({"optimizer": {"type": "AdamW", "params": {"weight_decay": 0.0}}}, "conflicts with --wd"),
+        (
+            {"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.999]}}},
+            "conflicts with --beta1/--beta2",
+        ),
+        ({"optimizer": {"type": "AdamW", "params": {"eps": 1e-8}}}, "conflicts with --eps"),
+        ({"optimizer": {"type": "Lamb"}}, "optimizer.type"),
+        (
+            {"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}},
+            "optimizer.params.max_grad_norm",
+        ),
+        ({"scheduler": {"type": "WarmupLR"}}, "scheduler in {label}"),
+        ({"fp16": {"enabled": True}}, "fp16.enabled=true in {label} conflicts with --precision fp32"),
+        ({"bfloat16": {"enabled": True}}, "bf16.enabled=true in {label} conflicts with --precision fp32"),
+        ({"torch_autocast": {"enabled": True}}, "torch_autocast.enabled"),
+        ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),
+        ({"elasticity": {"enabled": True}}, "elasticity"),
+    ],
+)
+def test_conflicting_preset_keys_name_key_and_flag(tmp_path, extra, needle):
+    path = _write_json(tmp_path, {"zero_optimization": {"stage": 1}, **extra})
+    with pytest.raises(SettingsError) as e:
+        resolve_ds_config(TrainSettings(ds_config=path), world_size=2)
+    assert needle.format(label=path) in str(e.value)
+    if "train_batch_size" not in extra:  # needs the world size, known only at engine start
+        with pytest.raises(SettingsError):  # the same check runs at parse time, before any process starts
+            parse_settings(["--ds-config", path, "--precision", "fp32"])
+
+
+def test_keys_that_repeat_the_flags_are_fine(tmp_path):
+    repeated = {
+        "zero_optimization": {"stage": 2},
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": 16,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": False},
+        "gradient_allreduce_op": "mean",
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 5e-4, "betas": [0.9, 0.98], "eps": 1e-6, "torch_adam": False},
+        },
+    }
+    path = _write_json(tmp_path, repeated)
+    cfg = resolve_ds_config(parse_settings(["--ds-config", path, "--grad-clip-norm", "1"]), world_size=2)
+    assert cfg["train_batch_size"] == 16 and cfg["gradient_clipping"] == 1.0
+    assert cfg["optimizer"]["params"]["torch_adam"] is False  # an engine choice the preset may make
+    # train_batch_size is m * W: right for W=2, wrong for W=4.
+    with pytest.raises(SettingsError, match="train_batch_size=16"):
+        resolve_ds_config(parse_settings(["--ds-config", path, "--grad-clip-norm", "1"]), world_size=4)
+
+
+def test_step_engine_keys_are_merged_and_guarded(tmp_path, monkeypatch):
+    monkeypatch.setattr(dsc, "STEP_ENGINE_KEYS", {"managed_gradient_accumulation": False})
+    cfg = resolve_ds_config(TrainSettings(), world_size=1)
+    assert cfg["managed_gradient_accumulation"] is False
+    path = _write_json(tmp_path, {"zero_optimization": {"stage": 1}, "managed_gradient_accumulation": True})
+    with pytest.raises(SettingsError, match="managed_gradient_accumulation=true"):
+        resolve_ds_config(TrainSettings(ds_config=path), world_size=1)
+    # Nested keys merge into the preset's sections instead of replacing them.
+    monkeypatch.setattr(dsc, "STEP_ENGINE_KEYS", {"zero_optimization": {"overlap_comm": False}})
+    cfg = resolve_ds_config(TrainSettings(ds_config="zero2_fp32"), world_size=1)
+    assert cfg["zero_optimization"]["stage"] == 2 and cfg["zero_optimization"]["overlap_comm"] is False
+    path = _write_json(tmp_path, {"zero_optimization": {"stage": 1, "overlap_comm": True}})
+    with pytest.raises(SettingsError, match="zero_optimization.overlap_comm=true"):
+        resolve_ds_config(TrainSettings(ds_config=path), world_size=1)
+
+
+def test_offload_needs_a_zero_stage_that_supports_it():
+    with pytest.raises(SettingsError, match="offload_optimizer"):
+        parse_settings(["--ds-config", "zero2_offload_fp32", "--zero-stage", "0"])
+    with pytest.raises(SettingsError, match="offload_param"):
+        parse_settings(["--ds-config", "zero3_offload_fp32", "--zero-stage", "2"])
+    assert parse_settings(["--ds-config", "zero2_offload_fp32", "--zero-stage", "1"]).zero_stage == 1
+
+
+# ---------------------------------------------------------------- run files
+
+
+def test_write_run_files_writes_settings_and_ds_config(tmp_path):
+    s = parse_settings(["--name", "r", "--ds-config", "zero2_bf16", "--accum-freq", "4"])
+    cfg = resolve_ds_config(s, world_size=2)
+    run_dir = tmp_path / "logs" / s.name
+    write_run_files(run_dir, s, cfg)
+    assert json.loads((run_dir / "settings.json").read_text())["accum_freq"] == 4
+    assert json.loads((run_dir / "ds_config.json").read_text()) == cfg
+    assert (run_dir / "ds_config.json").read_text().startswith("{\n  ")  # indented
+
+
+# ---------------------------------------------------------------- docs and launch files
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_docs_table_lists_every_flag_and_preset():
+    text = (REPO / "docs" / "configuration.md").read_text()
+    flags = [a.option_strings[0] for a in build_parser()._actions if a.option_strings and a.dest != "help"]
+    assert [f for f in flags if f"`{f}`" not in text and f"`{f} /" not in text] == []
+    assert [p for p in list_presets() if f"`{p}`" not in text] == []
+
+
+def test_hostfile_example_parses_with_deepspeed():
+    from deepspeed.launcher.runner import _parse_hostfile
+
+    lines = (REPO / "hostfile.example").read_text().splitlines()
+    assert _parse_hostfile(lines) == {"worker-1": 8, "worker-2": 8}
+
+
+@pytest.mark.parametrize(
+    "script", ["launch_single_node.sh", "launch_multi_node.sh", "launch_mpirun.sh", "launch_slurm.sbatch"]
+)
+def test_launch_scripts_pass_flags_through_and_parse(script):
+    import subprocess
+
+    path = REPO / "scripts" / script
+    text = path.read_text()
+    assert text.splitlines()[1].startswith("# Runs: ") and '"$@"' in text and "ds_clip.train" in text
+    subprocess.run(["bash", "-n", str(path)], check=True)
