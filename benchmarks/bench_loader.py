@@ -1,0 +1,118 @@
+"""Loader throughput: samples/s of the step-batch loader, synthetic and webdataset, per worker count.
+
+    python benchmarks/bench_loader.py                  # all configurations, ~2-3 minutes on 2 cores
+    python benchmarks/bench_loader.py --seconds 2      # shorter measurement per configuration
+
+For each image size (224 px with open_clip's training transform, as for ViT-B; 64 px as for the tiny
+test models) and each source (the built-in synthetic dataset rendered at that size; webdataset shards of
+the same pairs as JPEG, written first with ds-clip-shards into a temporary folder), it runs one rank
+(W=1, k=1, m=64) with --workers 0, 1, 2 and reports samples/s after the first step (worker start-up
+excluded) and samples/s per worker. Prints a markdown table and the machine it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+import open_clip
+import torch
+
+from ds_clip.data.loader import DataSettings, build_train_data
+from ds_clip.shards import main as shards_main
+
+MICRO_BATCH = 64
+
+
+def machine() -> str:
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        model = next(
+            (ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")), "?"
+        )
+    except OSError:
+        model = platform.processor() or "?"
+    mem_kb = 0
+    if os.path.exists("/proc/meminfo"):
+        with open("/proc/meminfo") as f:
+            mem_kb = int(next(ln.split()[1] for ln in f if ln.startswith("MemTotal")))
+    return f"{model}, {os.cpu_count()} cores, {mem_kb / 2**20:.0f} GiB RAM, torch {torch.__version__}"
+
+
+def measure(settings: DataSettings, preprocess, tokenizer, seconds: float) -> float:
+    """Samples/s over whole steps after the first, for about `seconds`."""
+    data = build_train_data(
+        settings,
+        preprocess=preprocess,
+        tokenizer=tokenizer,
+        rank=0,
+        world_size=1,
+        batch_size=MICRO_BATCH,
+        accum_freq=1,
+    )
+    start, samples = None, 0
+    for batch in data.iter_epoch(0):
+        if start is None:  # first step includes worker start-up and shuffle-buffer fill
+            start = time.perf_counter()
+            continue
+        samples += sum(images.shape[0] for images, _ in batch.micro_batches)
+        if time.perf_counter() - start > seconds:
+            break
+    elapsed = time.perf_counter() - start
+    return samples / elapsed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=5.0, help="measurement per configuration")
+    parser.add_argument("--samples", type=int, default=3072, help="pairs in the generated shards")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # one process = one core, as in a DataLoader worker
+    tokenizer = open_clip.get_tokenizer("ViT-B-32")  # SimpleTokenizer: its BPE file ships with open_clip
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in (224, 64):
+            preprocess = open_clip.image_transform(size, is_train=True)
+            shard_dir = os.path.join(tmp, f"shards{size}")
+            shards_main(
+                ["--synthetic", str(args.samples), "--image-size", str(size), "--output", shard_dir]
+                + ["--samples-per-shard", "256"]
+            )
+            sources = {
+                "synthetic": DataSettings(
+                    dataset_type="synthetic", train_num_samples=10**7, synthetic_image_size=size
+                ),
+                "webdataset": DataSettings(
+                    dataset_type="webdataset",
+                    train_data=os.path.join(shard_dir, "*.tar"),
+                    dataset_resampled=True,  # endless: the measurement decides when to stop
+                    train_num_samples=10**7,
+                ),
+            }
+            for name, settings in sources.items():
+                for workers in (0, 1, 2):
+                    settings.workers = workers
+                    rate = measure(settings, preprocess, tokenizer, args.seconds)
+                    per_worker = f"{rate / workers:.0f}" if workers else "-"
+                    rows.append(f"| {name} | {size} | {workers} | {rate:.0f} | {per_worker} |")
+                    print(rows[-1], file=sys.stderr, flush=True)
+    print(f"machine: {machine()}")
+    print(f"date: {datetime.date.today().isoformat()}")
+    print(
+        "command: python benchmarks/bench_loader.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    )
+    print()
+    print("| source | image px | workers | samples/s | samples/s per worker |")
+    print("|---|---|---|---|---|")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
