@@ -17,9 +17,11 @@ from ds_clip.config import SettingsError, TrainSettings, settings_to_dict
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
 
-# Keys the accumulation step needs in the engine config (filled by the step's author). A preset that
-# sets one of them to another value is refused.
-STEP_ENGINE_KEYS: dict[str, Any] = {}
+# Keys the cached accumulation step (ds_clip.step) needs in the engine config. A preset that sets one
+# of them to another value is refused. With managed accumulation off, engine.backward() only
+# accumulates and engine.step() is the single accumulation boundary: no micro-batch is dropped on
+# ZeRO-1/2 and global_samples advances by k*m*W per step.
+STEP_ENGINE_KEYS: dict[str, Any] = {"managed_gradient_accumulation": False}
 
 # Keys that change what a gradient means; a preset may only repeat the value the step expects
 # (STEP_ENGINE_KEYS' value when it sets one, else DeepSpeed's default, which the step assumes).

@@ -60,8 +60,23 @@ class RunResult:
     params: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
     grads: dict[str, torch.Tensor] | None = None
-    collectives: dict[str, int] | None = None
-    """Collective calls per optimizer step, by DeepSpeed op name (from the comms logger)."""
+    collectives: dict[str, dict[int, int]] | None = None
+    """DeepSpeed collective calls in the last optimizer step: op name -> message bytes -> calls."""
+    num_params: int = 0
+
+    def gradient_reduction_passes(self) -> float:
+        """Gradient bytes reduced in one step / the model's gradient bytes (fp32 models).
+
+        Counting bytes rather than calls makes the figure independent of DeepSpeed's bucketing;
+        small messages (loss-scale and norm checks) are left out.
+        """
+        reduced = sum(
+            size * calls
+            for op in ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_fn", "reduce")
+            for size, calls in (self.collectives or {}).get(op, {}).items()
+            if size > 1024
+        )
+        return reduced / (4 * self.num_params)
 
 
 def micro_batch_seed(seed: int, step: int, global_micro_batch: int) -> int:
@@ -118,7 +133,7 @@ def step_micro_batches(
 
 
 def ds_config_for(spec: RunSpec, world_size: int) -> dict:
-    from ds_clip.step import STEP_ENGINE_KEYS
+    from ds_clip.ds_config import STEP_ENGINE_KEYS
 
     zero: dict[str, Any] = {"stage": spec.zero_stage}
     if spec.offload:
@@ -132,6 +147,7 @@ def ds_config_for(spec: RunSpec, world_size: int) -> dict:
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 10**9,
+        "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 unless told otherwise
         **STEP_ENGINE_KEYS,
     }
@@ -158,7 +174,8 @@ class _GradProbe:
         inner_step = optimizer.step
 
         def step(*args, **kwargs):
-            self.capture()
+            if self.engine is not None:  # some wrappers step once while the engine is being built
+                self.capture()
             return inner_step(*args, **kwargs)
 
         optimizer.step = step
@@ -252,7 +269,12 @@ def run_in_group(spec: RunSpec) -> RunResult:
         res = cached_step(engine, batches, loss_fn, micro_batch_seeds=seeds)
         if comms is not None:
             after = _op_counts(comms)
-            per_step_ops.append({op: after.get(op, 0) - before.get(op, 0) for op in after})
+            per_step_ops.append(
+                {
+                    op: {size: n - before.get(op, {}).get(size, 0) for size, n in sizes.items()}
+                    for op, sizes in after.items()
+                }
+            )
         losses.append(float(res.loss))
     params = full_params(engine)
     buffers = {
@@ -266,17 +288,17 @@ def run_in_group(spec: RunSpec) -> RunResult:
         buffers=buffers,
         grads=probe.captured if probe is not None else None,
         collectives=per_step_ops[-1] if per_step_ops else None,
+        num_params=sum(p.numel() for p in params.values()),
     )
     engine.destroy()
     del engine
     return result
 
 
-def _op_counts(comms_logger) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for op, by_size in comms_logger.comms_dict.items():
-        counts[op] = sum(v[0] for v in by_size.values())
-    return counts
+def _op_counts(comms_logger) -> dict[str, dict[int, int]]:
+    return {
+        op: {size: v[0] for size, v in by_size.items()} for op, by_size in comms_logger.comms_dict.items()
+    }
 
 
 # --------------------------------------------------------------------------- local process groups
@@ -336,7 +358,7 @@ def oracle_first_step(spec: RunSpec, world_size: int) -> tuple[dict[str, torch.T
     draws), the embeddings are concatenated, and open_clip's ``ClipLoss()`` / ``SigLipLoss()`` (world
     size 1) is backpropagated: the definition of the full-batch gradient ds_clip promises.
     """
-    import open_clip
+    from open_clip.loss import ClipLoss, SigLipLoss
 
     from ds_clip.model import build_model
 
@@ -352,9 +374,9 @@ def oracle_first_step(spec: RunSpec, world_size: int) -> tuple[dict[str, torch.T
             texts.append(out["text_features"])
     image, text = torch.cat(images), torch.cat(texts)
     if spec.loss.siglip:
-        loss = open_clip.SigLipLoss()(image, text, out["logit_scale"], out["logit_bias"])
+        loss = SigLipLoss()(image, text, out["logit_scale"], out["logit_bias"])
     else:
-        loss = open_clip.ClipLoss()(image, text, out["logit_scale"])
+        loss = ClipLoss()(image, text, out["logit_scale"])
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return grads, float(loss)
+    return grads, float(loss.detach())

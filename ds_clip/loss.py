@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import open_clip
 import torch
 import torch.distributed.nn
+from open_clip.loss import ClipLoss, SigLipLoss, gather_features
 
 from ds_clip.distributed import all_reduce_mean
 
@@ -79,9 +79,9 @@ class ContrastiveLoss:
         self.rank = rank
         self.world_size = world_size
         if spec.siglip:
-            self._dense = open_clip.SigLipLoss(rank=rank, world_size=world_size, dist_impl="gather")
+            self._dense = SigLipLoss(rank=rank, world_size=world_size, dist_impl="gather")
         else:
-            self._dense = open_clip.ClipLoss(
+            self._dense = ClipLoss(
                 local_loss=spec.local_loss,
                 gather_with_grad=spec.gather_with_grad,
                 rank=rank,
@@ -134,7 +134,7 @@ class ContrastiveLoss:
             return total / image.shape[0]
         if self.world_size == 1:
             return tiled_loss.clip_loss_tiled(image, text, image, text, scale, 0, tile)
-        all_image, all_text = open_clip.loss.gather_features(
+        all_image, all_text = gather_features(
             image,
             text,
             local_loss=self.spec.local_loss,

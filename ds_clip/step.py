@@ -1,7 +1,7 @@
 """One optimizer step of cached-feature gradient accumulation on a DeepSpeed engine.
 
 The engine runs with ``gradient_accumulation_steps=1`` and ``managed_gradient_accumulation=false``
-(see ``STEP_ENGINE_KEYS``): each ``engine.backward`` only accumulates locally and ``engine.step()``
+(``ds_clip.ds_config.STEP_ENGINE_KEYS``): each ``engine.backward`` only accumulates locally and ``engine.step()``
 is the one accumulation boundary, so DeepSpeed neither drops earlier micro-batches (the ZeRO-1/2
 trap in the facts note) nor miscounts samples (``global_samples`` advances by k·m·W).
 
@@ -31,9 +31,6 @@ import torch
 from torch import nn
 
 from ds_clip.loss import ContrastiveLoss
-
-# What the DeepSpeed JSON must contain for this step to be exact (merged by ds_config).
-STEP_ENGINE_KEYS = {"gradient_accumulation_steps": 1, "managed_gradient_accumulation": False}
 
 
 @dataclass

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs everything ds_clip needs into ./.venv (idempotent; fast when already done).
+#   bash scripts/setup.sh            # called by scripts/demo.sh and scripts/test.sh
+# Open MPI comes from apt when `mpicc` is missing and we are root; elsewhere (a cluster where MPI
+# is a module) load your MPI first so `mpicc` is on PATH, or set DS_CLIP_NO_MPI=1 to skip mpi4py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+if ! command -v mpicc >/dev/null 2>&1 && [ -z "${DS_CLIP_NO_MPI:-}" ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing Open MPI from apt (libopenmpi-dev openmpi-bin)"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenmpi-dev openmpi-bin >/dev/null
+  else
+    echo "[setup] no mpicc found and not root: load your MPI (module load openmpi) or set DS_CLIP_NO_MPI=1" >&2
+    exit 1
+  fi
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv"
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.ds_clip-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "[setup] installing python packages into .venv (first time: a few minutes)"
+  .venv/bin/python -m pip install -q --upgrade pip
+  # torch/torchvision pinned to the pair that DeepSpeed 0.19.8 and open_clip were checked with.
+  .venv/bin/python -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
+  extras="test"
+  [ -n "${DS_CLIP_NO_MPI:-}" ] && extras="test-nompi"
+  .venv/bin/python -m pip install -q -e ".[${extras}]"
+  touch "$stamp"
+fi

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The test command (README, CI):  bash scripts/test.sh [pytest args]
+# Installs what it needs (scripts/setup.sh), lints, then runs the whole suite: unit tests, the
+# multi-process equivalence tests on the real DeepSpeed engine, and the launcher end-to-end runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
+ruff check ds_clip tests benchmarks scripts
+ruff format --check ds_clip tests benchmarks scripts
+set +e
+python -m pytest -ra "$@"
+rc=$?
+set -e
+# pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
+if [ "$rc" = 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi
+exit "$rc"
