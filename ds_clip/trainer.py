@@ -1,0 +1,226 @@
+"""The training loop: builds model, data and engine from settings, then owns the cadence of steps,
+logging and checkpoints. The arithmetic of one step lives in ``ds_clip.step``.
+
+Shape of a run: settings -> resolved DeepSpeed JSON -> model, data, engine -> resume -> loop -> step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ds_clip import checkpoint
+from ds_clip.config import TrainSettings, settings_to_dict
+from ds_clip.data import DataSettings, build_train_data
+from ds_clip.distributed import DistInfo, all_reduce_mean, init_distributed
+from ds_clip.ds_config import resolve_ds_config, write_run_files
+from ds_clip.equivalence import micro_batch_seed
+from ds_clip.loss import ContrastiveLoss, LossSpec
+from ds_clip.metrics import MetricsWriter, peak_memory_mib
+from ds_clip.model import build_model, param_groups, prepare_for_deepspeed
+from ds_clip.schedule import build_scheduler
+from ds_clip.step import cached_step
+
+logger = logging.getLogger("ds_clip")
+
+# open_clip clamps the learned temperature so that exp(logit_scale) <= 100.
+LOGIT_SCALE_MAX = math.log(100)
+# A synthetic run without --train-num-samples trains this many pairs per epoch.
+DEFAULT_SYNTHETIC_SAMPLES = 25_600
+
+
+@dataclass
+class TrainSummary:
+    steps: int
+    samples_seen: int
+    final_loss: float
+    run_dir: Path
+
+
+def _broadcast_name(name: str, info: DistInfo) -> str:
+    # Every rank parses its own timestamped default name; rank 0's wins so all write one folder.
+    box = [name]
+    if info.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def clamp_logit_scale(engine) -> None:
+    """Clamp logit_scale to [0, ln 100] in the engine's working copy and in its fp32 master copy.
+
+    Every rank must call this (reading a ZeRO-partitioned master value is a collective).
+    """
+    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+
+    p = engine.module.logit_scale
+    master = safe_get_full_fp32_param(p)
+    with torch.no_grad():
+        if master is None:  # ZeRO-0 fp32: the parameter is its own master
+            p.clamp_(0, LOGIT_SCALE_MAX)
+            return
+        if bool(((master < 0) | (master > LOGIT_SCALE_MAX)).any()):
+            clamped = master.clamp(0, LOGIT_SCALE_MAX)
+            safe_set_full_fp32_param(p, clamped)
+            if hasattr(p, "ds_id"):  # ZeRO-3: rewrite the low-precision shard too
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                    if dist.get_rank() == 0:
+                        p.data.copy_(clamped.to(p.dtype).view_as(p.data))
+            else:
+                p.data.copy_(clamped.to(p.dtype).view_as(p.data))
+
+
+def train(s: TrainSettings) -> TrainSummary:
+    import deepspeed
+
+    info = init_distributed()
+    s.name = _broadcast_name(s.name, info)
+    run_dir = Path(s.logs) / s.name
+    ds_json = resolve_ds_config(s, info.world_size)
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_run_files(run_dir, s, ds_json)
+    # open_clip logs its model-building steps at INFO on the root logger: keep those quiet.
+    logging.basicConfig(
+        level=logging.WARNING, format=f"[rank{info.rank}] %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("ds_clip").setLevel(logging.INFO if info.is_main else logging.WARNING)
+
+    bundle = build_model(
+        s.model, pretrained=s.pretrained, seed=s.seed, grad_checkpointing=s.grad_checkpointing
+    )
+    model = bundle.model
+    prepare_for_deepspeed(model)
+
+    m, k, w = s.batch_size, s.accum_freq, info.world_size
+    global_batch = w * k * m
+    image_size = bundle.model_cfg["vision_cfg"].get("image_size", 224)
+    data = build_train_data(
+        DataSettings(
+            dataset_type=s.dataset_type,
+            train_data=s.train_data,
+            train_num_samples=s.train_num_samples
+            or (DEFAULT_SYNTHETIC_SAMPLES if s.dataset_type == "synthetic" else None),
+            dataset_resampled=s.dataset_resampled,
+            image_key=s.image_key,
+            caption_key=s.caption_key,
+            workers=s.workers,
+            seed=s.seed,
+            synthetic_image_size=image_size if isinstance(image_size, int) else image_size[0],
+        ),
+        preprocess=bundle.preprocess_train,
+        tokenizer=bundle.tokenizer,
+        rank=info.rank,
+        world_size=w,
+        batch_size=m,
+        accum_freq=k,
+    )
+    total_steps = s.max_steps or s.epochs * data.steps_per_epoch
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=param_groups(model, s.wd),
+        config=ds_json,
+        lr_scheduler=lambda opt: build_scheduler(opt, warmup=s.warmup, total=total_steps),
+    )
+    loss_fn = ContrastiveLoss(
+        LossSpec(
+            siglip=s.siglip, local_loss=s.local_loss, gather_with_grad=s.gather_with_grad, impl=s.loss_impl
+        ),
+        rank=info.rank,
+        world_size=w,
+    )
+
+    step, epoch, start_in_epoch = 0, 0, 0
+    if s.resume:
+        state = checkpoint.load(engine, run_dir, s.resume)
+        step = state["step"]
+        data.load_state_dict(state["data"])
+        epoch, start_in_epoch = data.epoch, data.step_in_epoch
+        if info.is_main:
+            logger.info(
+                "resumed from %s at step %d (epoch %d, step %d in epoch)",
+                state["path"],
+                step,
+                epoch,
+                start_in_epoch,
+            )
+
+    if info.is_main:
+        logger.info(
+            "world size %d, micro-batch m=%d, accum-freq k=%d: global batch N=W*k*m=%d pairs per optimizer "
+            "step; %d steps per epoch, %d steps in total; run folder %s",
+            w, m, k, global_batch, data.steps_per_epoch, total_steps, run_dir,
+        )  # fmt: skip
+    writer = (
+        MetricsWriter(run_dir, s.report_to, total_steps, step, settings_to_dict(s)) if info.is_main else None
+    )
+    engine.train()
+    last_loss = float("nan")
+    window_samples, window_time, window_data, window_start = 0, 0.0, 0.0, time.perf_counter()
+    try:
+        while step < total_steps:
+            t_data = time.perf_counter()
+            for batch in data.iter_epoch(epoch, start_in_epoch):
+                data_time = time.perf_counter() - t_data
+                t_step = time.perf_counter()
+                seeds = [micro_batch_seed(s.seed, step, g) for g in batch.micro_batch_ids]
+                result = cached_step(engine, batch.micro_batches, loss_fn, micro_batch_seeds=seeds)
+                clamp_logit_scale(engine)
+                step += 1
+                step_time = time.perf_counter() - t_step
+                window_samples += global_batch
+                window_time += step_time
+                window_data += data_time
+                last_loss = float(result.loss)
+                if writer is not None:
+                    writer.step_done()
+                if step % s.log_every_n_steps == 0 or step == total_steps:
+                    # Samples/s counts every pair of the step: k micro-batches x m pairs x W ranks.
+                    elapsed = time.perf_counter() - window_start
+                    skipped = all_reduce_mean(torch.tensor(float(sum(data.skip_counts.values())))) * w
+                    if writer is not None:
+                        steps_in_window = max(1, round(window_samples / global_batch))
+                        writer.log(
+                            {
+                                "step": step,
+                                "total_steps": total_steps,
+                                "epoch": epoch,
+                                "samples_seen": step * global_batch,
+                                "loss": last_loss,
+                                "logit_scale": float(result.logit_scale),
+                                "lr": engine.get_lr()[0],
+                                "samples_per_s": window_samples / elapsed,
+                                "samples_per_s_per_rank": window_samples / elapsed / w,
+                                "data_time_s": window_data / steps_in_window,
+                                "step_time_s": window_time / steps_in_window,
+                                "peak_mem_mib": peak_memory_mib(),
+                                "skipped_samples": int(skipped),
+                            }
+                        )
+                    window_samples, window_time, window_data, window_start = 0, 0.0, 0.0, time.perf_counter()
+                if s.save_every_n_steps and step % s.save_every_n_steps == 0 and step < total_steps:
+                    checkpoint.save(engine, run_dir, step, data.state_dict(), settings_to_dict(s))
+                if step >= total_steps:
+                    break
+                t_data = time.perf_counter()
+            epoch, start_in_epoch = epoch + 1, 0
+        checkpoint.save(engine, run_dir, step, data.state_dict(), settings_to_dict(s))
+    finally:
+        if writer is not None:
+            writer.close()
+    if info.is_main:
+        logger.info(
+            "done: %d steps, %d samples, final loss %.4f, run folder %s",
+            step,
+            step * global_batch,
+            last_loss,
+            run_dir,
+        )
+    return TrainSummary(step, step * global_batch, last_loss, run_dir)

@@ -1,0 +1,142 @@
+"""The real CLI under the real launchers (deepspeed, mpirun), and its answers to bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+# The synthetic captions go through open_clip's SimpleTokenizer, so the text tower needs its vocab.
+E2E_MODEL = {
+    "embed_dim": 16,
+    "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 16, "head_width": 16},
+    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+}
+M, K, W, STEPS = 4, 2, 2, 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("e2e_model")
+    (d / "open_clip_config.json").write_text(json.dumps({"model_cfg": E2E_MODEL, "preprocess_cfg": {}}))
+    return f"local-dir:{d}"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _train_args(model: str, logs: Path, name: str, *extra: str) -> list[str]:
+    return [
+        "--model", model, "--batch-size", str(M), "--accum-freq", str(K), "--max-steps", str(STEPS),
+        "--log-every-n-steps", "1", "--logs", str(logs), "--name", name, "--workers", "0",
+        "--report-to", "csv,tensorboard", "--warmup", "1", *extra,
+    ]  # fmt: skip
+
+
+def _check_run(proc: subprocess.CompletedProcess, run_dir: Path, steps: int = STEPS, first: int = 1) -> None:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    # samples seen count k*m*W pairs per optimizer step
+    seen = [int(x) for x in re.findall(r"^step \d+/\d+ \| epoch \d+ \| samples (\d+)", proc.stdout, re.M)]
+    assert seen == [s * K * M * W for s in range(first, steps + 1)], out[-3000:]
+    assert "world size 2" in out
+    settings = json.loads((run_dir / "settings.json").read_text())
+    assert settings["accum_freq"] == K and settings["batch_size"] == M
+    ds = json.loads((run_dir / "ds_config.json").read_text())
+    assert ds["gradient_accumulation_steps"] == 1
+    assert ds["train_micro_batch_size_per_gpu"] == M
+    assert ds["train_batch_size"] == M * W
+    assert ds["managed_gradient_accumulation"] is False
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    assert [int(r["samples_seen"]) for r in rows][-1] == steps * K * M * W
+    assert all(float(r["samples_per_s"]) > 0 for r in rows)
+    assert any((run_dir / "tensorboard").iterdir())
+    assert (run_dir / "checkpoints" / "latest_complete").read_text() == f"step_{steps:08d}"
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_deepspeed_launcher_trains_and_resumes(model_dir, tmp_path):
+    """`deepspeed --num_gpus 2 --module ds_clip.train --accum-freq 2` trains, logs k*m*W samples per
+    step, writes the resolved configs and a complete checkpoint; `--resume latest` continues at the
+    saved step instead of starting over."""
+    args = _train_args(model_dir, tmp_path, "ds")
+    proc = _run(["deepspeed", "--num_gpus", "2", "--module", "ds_clip.train", *args])
+    _check_run(proc, tmp_path / "ds")
+    more = [a if a != str(STEPS) else str(STEPS + 2) for a in args]
+    proc = _run(["deepspeed", "--num_gpus", "2", "--module", "ds_clip.train", *more, "--resume", "latest"])
+    assert "resumed from" in proc.stdout + proc.stderr and "at step 4" in proc.stdout + proc.stderr
+    _check_run(proc, tmp_path / "ds", steps=STEPS + 2, first=STEPS + 1)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (scripts/setup.sh installs it)")
+def test_mpirun_trains(model_dir, tmp_path):
+    """`mpirun -np 2 python -m ds_clip.train --accum-freq 2`: ranks found through mpi4py."""
+    args = _train_args(model_dir, tmp_path, "mpi")
+    cmd = ["mpirun", "-np", "2", "--bind-to", "none", "--oversubscribe"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    cmd += ["-x", "PATH", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", sys.executable, "-m", "ds_clip.train", *args]
+    _check_run(_run(cmd), tmp_path / "mpi")
+
+
+def _bad(*args: str) -> subprocess.CompletedProcess:
+    return _run([sys.executable, "-m", "ds_clip.train", *args], timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--accum-freq", "0"], "--accum-freq"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--batch-size", "-3"], "--batch-size"),
+        (["--model", "no-such-model"], "--model"),
+        (["--ds-config", "no_such_preset"], "--ds-config"),
+        (["--train-data", "/nonexistent/shard-{00000..00003}.tar"], "/nonexistent/shard-{00000..00003}.tar"),
+        (["--local-loss"], "--gather-with-grad"),
+        (["--precision", "fp16", "--zero-stage", "0"], "stage 0"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(args, needle):
+    """Each bad input: exit status 2, one line on stderr naming the flag, no traceback."""
+    proc = _bad(*args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = proc.stderr.strip()
+    assert "Traceback" not in err
+    assert len(err.splitlines()) == 1, err
+    assert needle in err
+
+
+def test_conflicting_json_names_key_and_flag(tmp_path):
+    """A user's JSON that disagrees with a flag, or asks DeepSpeed to accumulate, is refused."""
+    cfg = tmp_path / "mine.json"
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": 99}))
+    proc = _bad("--ds-config", str(cfg), "--batch-size", "8")
+    assert proc.returncode == 2
+    assert "train_micro_batch_size_per_gpu" in proc.stderr and "--batch-size" in proc.stderr
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 4}))
+    proc = _bad("--ds-config", str(cfg))
+    assert proc.returncode == 2
+    assert "gradient_accumulation_steps" in proc.stderr and "--accum-freq" in proc.stderr
