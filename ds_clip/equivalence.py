@@ -47,6 +47,8 @@ class RunSpec:
     seed: int = 0
     capture_grads: bool = False
     """Record the full-batch gradient of every parameter at the first step (as DeepSpeed holds it)."""
+    nan_at: tuple[int, int] | None = None
+    """(step, rank): feed NaN images to that rank's first micro-batch at that step (fault tests)."""
     count_collectives: bool = False
     """Count DeepSpeed collectives per step with DeepSpeed's comms logger."""
     name: str = ""
@@ -63,6 +65,8 @@ class RunResult:
     collectives: dict[str, dict[int, int]] | None = None
     """DeepSpeed collective calls in the last optimizer step: op name -> message bytes -> calls."""
     num_params: int = 0
+    skipped: list[bool] = field(default_factory=list)
+    """Per step: was the update skipped for a non-finite value."""
 
     def gradient_reduction_passes(self) -> float:
         """Gradient bytes reduced in one step / the model's gradient bytes (fp32 models).
@@ -256,7 +260,7 @@ def run_in_group(spec: RunSpec) -> RunResult:
         probe.engine = engine
     loss_fn = ContrastiveLoss(spec.loss, rank=rank, world_size=world_size)
     engine.train()
-    losses, per_step_ops = [], []
+    losses, per_step_ops, skipped = [], [], []
     comms = None
     if spec.count_collectives:
         from deepspeed import comm as ds_comm
@@ -265,6 +269,8 @@ def run_in_group(spec: RunSpec) -> RunResult:
     for step in range(spec.steps):
         batches, gids = step_micro_batches(spec, bundle.model_cfg, step, rank, world_size)
         seeds = [micro_batch_seed(spec.seed, step, g) for g in gids]
+        if spec.nan_at == (step, rank):
+            batches[0] = (torch.full_like(batches[0][0], float("nan")), batches[0][1])
         before = _op_counts(comms) if comms is not None else None
         res = cached_step(engine, batches, loss_fn, micro_batch_seeds=seeds)
         if comms is not None:
@@ -276,6 +282,7 @@ def run_in_group(spec: RunSpec) -> RunResult:
                 }
             )
         losses.append(float(res.loss))
+        skipped.append(res.skipped)
     params = full_params(engine)
     buffers = {
         n: b.detach().float().clone().cpu() for n, b in engine.module.named_buffers() if "running" in n
@@ -289,6 +296,7 @@ def run_in_group(spec: RunSpec) -> RunResult:
         grads=probe.captured if probe is not None else None,
         collectives=per_step_ops[-1] if per_step_ops else None,
         num_params=sum(p.numel() for p in params.values()),
+        skipped=skipped,
     )
     engine.destroy()
     del engine

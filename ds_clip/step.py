@@ -43,6 +43,8 @@ class StepResult:
     """Pairs this rank trained on in this step (k·m)."""
     micro_batches: int
     """k."""
+    skipped: bool = False
+    """True when a non-finite loss or embedding gradient on any rank made every rank skip the update."""
 
 
 def input_dtype(engine) -> torch.dtype:
@@ -85,6 +87,19 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
     torch.set_rng_state(cpu)
     if device is not None:
         torch.cuda.set_rng_state(device)
+
+
+def _all_ranks_true(flag: bool) -> bool:
+    # One 4-byte all-reduce per step: every rank must take the same branch.
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    t = torch.tensor([0.0 if flag else 1.0])
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item()) == 0.0
 
 
 def _dot(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -144,6 +159,22 @@ def cached_step(
         leaves.append(bias_out.detach().float().requires_grad_(True))
     result = loss_fn(*leaves)
     grads = torch.autograd.grad(result.backward_loss, leaves)
+
+    # Non-finite guard, agreed across ranks *before* any backward, so a skipped step leaves no
+    # partial gradients behind. The cache pass computes the same values as the recompute (same RNG),
+    # so a NaN/inf embedding, loss or embedding gradient is seen here. (fp16 overflow inside a
+    # backward is DeepSpeed's loss scaler's to catch; it skips that step itself.)
+    finite = bool(torch.isfinite(result.value).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
+    if not _all_ranks_true(finite):
+        del out0, grads, result
+        _set_rng_state(rng_after_embed)
+        return StepResult(
+            loss=torch.tensor(float("nan")),
+            logit_scale=scale_out.detach().float().reshape(()),
+            local_samples=sum(b[0].shape[0] for b in batches),
+            micro_batches=k,
+            skipped=True,
+        )
     sizes = [b[0].shape[0] for b in batches]
     g_images = (grads[0] * result.encoder_grad_coef).split(sizes)
     g_texts = (grads[1] * result.encoder_grad_coef).split(sizes)

@@ -45,9 +45,9 @@ def _run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def _train_args(model: str, logs: Path, name: str, *extra: str) -> list[str]:
+def _train_args(model: str, logs: Path, name: str, *extra: str, steps: int = STEPS) -> list[str]:
     return [
-        "--model", model, "--batch-size", str(M), "--accum-freq", str(K), "--max-steps", str(STEPS),
+        "--model", model, "--batch-size", str(M), "--accum-freq", str(K), "--max-steps", str(steps),
         "--log-every-n-steps", "1", "--logs", str(logs), "--name", name, "--workers", "0",
         "--report-to", "csv,tensorboard", "--warmup", "1", *extra,
     ]  # fmt: skip
@@ -83,7 +83,7 @@ def test_deepspeed_launcher_trains_and_resumes(model_dir, tmp_path):
     args = _train_args(model_dir, tmp_path, "ds")
     proc = _run(["deepspeed", "--num_gpus", "2", "--module", "ds_clip.train", *args])
     _check_run(proc, tmp_path / "ds")
-    more = [a if a != str(STEPS) else str(STEPS + 2) for a in args]
+    more = _train_args(model_dir, tmp_path, "ds", steps=STEPS + 2)
     proc = _run(["deepspeed", "--num_gpus", "2", "--module", "ds_clip.train", *more, "--resume", "latest"])
     assert "resumed from" in proc.stdout + proc.stderr and "at step 4" in proc.stdout + proc.stderr
     _check_run(proc, tmp_path / "ds", steps=STEPS + 2, first=STEPS + 1)
@@ -91,14 +91,33 @@ def test_deepspeed_launcher_trains_and_resumes(model_dir, tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (scripts/setup.sh installs it)")
-def test_mpirun_trains(model_dir, tmp_path):
-    """`mpirun -np 2 python -m ds_clip.train --accum-freq 2`: ranks found through mpi4py."""
-    args = _train_args(model_dir, tmp_path, "mpi")
+@pytest.mark.skipif(
+    shutil.which("mpirun") is None, reason="Open MPI is not installed (scripts/setup.sh installs it)"
+)
+def test_mpirun_trains_on_webdataset_shards(model_dir, tmp_path):
+    """`ds-clip-shards` writes shards; `mpirun -np 2 python -m ds_clip.train --train-data ...
+    --accum-freq 2` trains on them (ranks found through mpi4py, exact-epoch webdataset split)."""
+    shards = tmp_path / "shards"
+    made = _run([sys.executable, "-m", "ds_clip.shards", "--synthetic", "96", "--image-size", "32",
+                 "--samples-per-shard", "16", "--output", str(shards)])  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    assert "96" in made.stdout
+    args = _train_args(model_dir, tmp_path, "mpi", "--train-data", str(shards / "{00000..00005}.tar"))
     cmd = ["mpirun", "-np", "2", "--bind-to", "none", "--oversubscribe"]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
-    cmd += ["-x", "PATH", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", sys.executable, "-m", "ds_clip.train", *args]
+    cmd += [
+        "-x",
+        "PATH",
+        "-x",
+        "PYTHONPATH",
+        "-x",
+        "OMP_NUM_THREADS",
+        sys.executable,
+        "-m",
+        "ds_clip.train",
+        *args,
+    ]
     _check_run(_run(cmd), tmp_path / "mpi")
 
 
