@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         loss = LossSpec(siglip=a.siglip, local_loss=a.local_loss, gather_with_grad=a.local_loss)
         common = dict(
             model=f"local-dir:{tmp}", micro_batch_size=a.batch_size, steps=a.steps, zero_stage=a.zero_stage,
-            precision=a.precision, loss=loss, lr=3e-3, eps=1e-6,
+            precision=a.precision, loss=loss, lr=3e-3, eps=1e-6,  # open_clip's AdamW eps
         )  # fmt: skip
         w, k, m = a.world_size, a.accum_freq, a.batch_size
         print(
@@ -82,9 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     worst_name, worst = max(
         ((n, float((p - acc.params[n]).abs().max())) for n, p in ref.params.items()), key=lambda t: t[1]
     )
-    print(f"\nlargest parameter difference after {a.steps} steps: {worst:.3e} ({worst_name})")
-    # One AdamW step moves a parameter by up to lr = 3e-3; fp32 runs agree to ~1e-6, bf16 to ~1e-3.
-    tol = 1e-4 if a.precision == "fp32" else 5e-3
+    lr = 3e-3
+    print(
+        f"\nlargest parameter difference after {a.steps} steps: {worst:.3e} ({worst_name}), "
+        f"{worst / lr:.1%} of one AdamW step (lr {lr:g})"
+    )
+    # fp32 runs agree to float rounding, which AdamW amplifies where a true gradient is 0 (attention
+    # key biases); bf16 adds its own rounding. 10% (fp32) / 100% (bf16) of one step is the verdict line.
+    tol = 0.1 * lr if a.precision == "fp32" else lr
     same = worst <= tol
     print("verdict:", "SAME TRAINING (within float rounding)" if same else f"DIFFERENT (tolerance {tol:g})")
     return 0 if same else 1

@@ -9,5 +9,5 @@ bash scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec deepspeed --num_gpus 2 --module ds_clip.train \
   --model ds-clip-tiny --dataset-type synthetic --batch-size 16 --accum-freq 4 \
-  --max-steps 30 --warmup 3 --lr 1e-3 --log-every-n-steps 3 --workers 1 \
+  --max-steps 80 --warmup 5 --lr 1e-3 --log-every-n-steps 5 --workers 1 \
   --logs ./logs --report-to csv,tensorboard "$@"
