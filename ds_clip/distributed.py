@@ -99,3 +99,15 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     if world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if ``flag`` is true on any rank: one 4-byte all-reduce, so that all ranks
+    take the same branch (skip a step, stop for a signal). A collective: call it on every rank."""
+    if world_size() == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0])
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ds_clip.distributed import any_rank
 from ds_clip.loss import ContrastiveLoss
 
 
@@ -87,19 +88,6 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
     torch.set_rng_state(cpu)
     if device is not None:
         torch.cuda.set_rng_state(device)
-
-
-def _all_ranks_true(flag: bool) -> bool:
-    # One 4-byte all-reduce per step: every rank must take the same branch.
-    import torch.distributed as dist
-
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return flag
-    t = torch.tensor([0.0 if flag else 1.0])
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item()) == 0.0
 
 
 def _dot(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -165,7 +153,7 @@ def cached_step(
     # so a NaN/inf embedding, loss or embedding gradient is seen here. (fp16 overflow inside a
     # backward is DeepSpeed's loss scaler's to catch; it skips that step itself.)
     finite = bool(torch.isfinite(result.value).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
-    if not _all_ranks_true(finite):
+    if any_rank(not finite):
         del out0, grads, result
         _set_rng_state(rng_after_embed)
         return StepResult(
