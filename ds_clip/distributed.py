@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,8 @@ class DistInfo:
     rank: int
     world_size: int
     local_rank: int
+    hosts: Any = None
+    """ds_clip.preflight.PreflightReport: which ranks run on which hosts (None when not checked)."""
 
     @property
     def is_main(self) -> bool:
@@ -62,11 +65,17 @@ def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    report = None
     if not dist.is_initialized():
+        from ds_clip.preflight import check_rendezvous
+
+        # Bounded check that every rank reaches the master, naming the host that does not,
+        # instead of torch's rendezvous waiting out its whole timeout.
+        report = check_rendezvous()
         deepspeed.init_distributed(
             auto_mpi_discovery=launched_by_mpi, timeout=timedelta(seconds=timeout_s), verbose=False
         )
-    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), report)
 
 
 def _free_port() -> int:

@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     from ds_clip.checkpoint import CheckpointError
     from ds_clip.data import DataError
     from ds_clip.loss import LossConfigError
+    from ds_clip.preflight import PreflightError
     from ds_clip.trainer import train
 
     try:
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     except (SettingsError, DataError, LossConfigError) as exc:
         print(f"ds-clip-train: error: {exc}", file=sys.stderr)
         return 2
-    except CheckpointError as exc:
+    except (CheckpointError, PreflightError) as exc:
         print(f"ds-clip-train: error: {exc}", file=sys.stderr)
         return 1
     return 0

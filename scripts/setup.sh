@@ -18,6 +18,25 @@ if ! command -v mpicc >/dev/null 2>&1 && [ -z "${DS_CLIP_NO_MPI:-}" ]; then
   fi
 fi
 
+# The two-host tests (tests/test_multinode.py) run sshd inside network namespaces and launch through pdsh:
+# they need root anyway (without it they skip), so only root installs these.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && [ -z "${DS_CLIP_NO_MULTINODE:-}" ]; then
+  if ! { command -v sshd || [ -x /usr/sbin/sshd ]; } >/dev/null 2>&1 || ! command -v ssh >/dev/null 2>&1 \
+    || ! command -v pdsh >/dev/null 2>&1 || ! command -v ip >/dev/null 2>&1; then
+    echo "[setup] installing openssh-server openssh-client pdsh iproute2 from apt (two-host tests)"
+    apt-get update -qq >/dev/null
+    # The tests start their own sshd inside a namespace: keep apt from starting a system-wide one.
+    made_policy=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+      printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && made_policy=1
+    fi
+    rc=0
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssh-client pdsh iproute2 >/dev/null || rc=$?
+    if [ -n "$made_policy" ]; then rm -f /usr/sbin/policy-rc.d; fi
+    [ "$rc" = 0 ] || exit "$rc"
+  fi
+fi
+
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"
   "$PY" -m venv .venv

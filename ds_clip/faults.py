@@ -1,0 +1,53 @@
+"""Deterministic fault injection for the fault suite (tests/faults/), off unless asked for.
+
+    DS_CLIP_INJECT_FAULT="nan@3:1"          rank 1 feeds NaN images at optimizer step 3 (0-based)
+    DS_CLIP_INJECT_FAULT="nan@2-:0"         rank 0 feeds NaN images from step 2 on
+    DS_CLIP_INJECT_FAULT="kill@3:1"         rank 1 SIGKILLs itself at the start of step 3
+    DS_CLIP_INJECT_FAULT="kill-in-save@4:1" rank 1 SIGKILLs itself while checkpoint 4 is half written
+
+Several faults are separated by commas. Real faults (a diverging run, a node lost, a preempted
+job, a full disk) are slow and random; these make the same outcomes reproducible in CI.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+ENV = "DS_CLIP_INJECT_FAULT"
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    open_ended: bool
+    rank: int
+
+    def fires(self, kind: str, step: int, rank: int) -> bool:
+        return self.kind == kind and self.rank == rank and (step >= self.step if self.open_ended else step == self.step)
+
+
+def _parse(text: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        try:
+            kind, rest = item.split("@")
+            step, rank = rest.split(":")
+            open_ended = step.endswith("-")
+            faults.append(Fault(kind, int(step.rstrip("-")), open_ended, int(rank)))
+        except ValueError as exc:
+            raise ValueError(f"{ENV}={text!r}: cannot read {item!r} (expected KIND@STEP[-]:RANK)") from exc
+    return faults
+
+
+def active(kind: str, step: int, rank: int) -> bool:
+    text = os.environ.get(ENV)
+    return bool(text) and any(f.fires(kind, step, rank) for f in _parse(text))
+
+
+def maybe_kill(kind: str, step: int, rank: int) -> None:
+    if active(kind, step, rank):
+        print(f"[fault injection] rank {rank}: SIGKILL at step {step} ({kind})", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
