@@ -2,29 +2,56 @@
 
 DeepSpeed writes its ``latest`` file from rank 0 before the other ranks finish, and returns
 ``(None, None)`` with a warning when nothing is found. ds_clip saves with ``save_latest=False``,
-waits for every rank, marks the folder complete, then replaces ``latest_complete`` atomically; a
-resume that cannot find a complete checkpoint is an error, never a silent fresh start.
+waits for every rank, writes a manifest of every file with its size, marks the folder complete,
+then replaces ``latest_complete`` atomically; only then are older checkpoints pruned
+(``--keep-checkpoints``). A resume that cannot find a complete checkpoint, finds a file of the
+manifest missing or cut short, or finds another model is an error, never a silent fresh start.
+
+A checkpoint folder ``checkpoints/step_XXXXXXXX/`` holds DeepSpeed's files, ``rank{r}.json`` per rank
+(data position and RNG states), ``ds_clip_meta.json`` (step, epoch, samples, run shape, model config
+and parameter shapes, resolved settings), ``manifest.json`` and the ``COMPLETE`` marker.
+
+Resume on another world size (or ZeRO stage) keeps the global batch N = W*k*m (change --accum-freq):
+ZeRO-0 fp32 keeps its whole optimizer state in one file and loads natively; ZeRO-1/2 go through
+DeepSpeed's universal checkpoint (``deepspeed.checkpoint.ds_to_universal``, written next to the
+new run's checkpoints); ZeRO-3 takes the same universal per-parameter files, written into this
+rank's partitions by ``_load_resharded`` (DeepSpeed 0.19.8's own ZeRO-3 universal load is off by
+~10% of a step on CPU, measured; see docs/checkpoints.md).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import random
+import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
+logger = logging.getLogger("ds_clip")
 
 POINTER = "latest_complete"
 MARKER = "COMPLETE"
+META = "ds_clip_meta.json"
+MANIFEST = "manifest.json"
+TAG_PREFIX = "step_"
+UNIVERSAL_PREFIX = "universal_from_"
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, partial or unreadable."""
+    """A checkpoint that is missing, partial, unreadable or from an incompatible run."""
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _barrier() -> None:
@@ -32,55 +59,420 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save(engine, run_dir: Path, step: int, data_state: dict[str, Any], settings: dict[str, Any]) -> Path:
-    """Every rank calls this. Returns the checkpoint folder."""
+def tag_for(step: int) -> str:
+    return f"{TAG_PREFIX}{step:08d}"
+
+
+# ------------------------------------------------------------------------------------------- RNG states
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states (Python, NumPy, torch CPU and device) as JSON-able lists."""
+    import numpy as np
+
+    version, inner, gauss = random.getstate()
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [version, list(inner), gauss],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "torch": torch.get_rng_state().tolist(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+
+    version, inner, gauss = state["python"]
+    random.setstate((version, tuple(inner), gauss))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+# ----------------------------------------------------------------------------------------------- save
+
+
+def param_shapes(module: torch.nn.Module) -> dict[str, list[int]]:
+    """Parameter names and shapes as the engine holds them (ZeRO-3's partitioned params: their ds_shape)."""
+    return {n: list(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters()}
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def _manifest(path: Path) -> dict[str, int]:
+    return {
+        str(f.relative_to(path)): f.stat().st_size
+        for f in sorted(path.rglob("*"))
+        if f.is_file() and f.name not in (MANIFEST, MARKER)
+    }
+
+
+def save(
+    engine,
+    run_dir: Path,
+    step: int,
+    data_state: dict[str, Any],
+    settings: dict[str, Any],
+    *,
+    meta: dict[str, Any] | None = None,
+    keep: int | None = None,
+) -> Path:
+    """Every rank calls this. Returns the checkpoint folder.
+
+    ``meta`` (JSON-able, rank 0's is written) should hold epoch, samples_seen, world_size, accum_freq,
+    micro_batch_size, model, model_cfg; the engine's ZeRO stage and parameter shapes are added here.
+    """
     ckpt_root = run_dir / "checkpoints"
-    tag = f"step_{step:08d}"
-    engine.save_checkpoint(
-        str(ckpt_root), tag=tag, client_state={"step": step, "settings": settings}, save_latest=False
-    )
+    tag = tag_for(step)
     path = ckpt_root / tag
-    # Each rank's data position (webdataset positions differ per rank).
-    (path / f"data_rank{_rank()}.json").write_text(json.dumps(data_state))
+    if _rank() == 0 and (path / MARKER).exists():
+        (path / MARKER).unlink()  # rewriting a step (a resumed run): not complete until we say so
+    _barrier()
+    client = {"step": step, "settings": settings, **(meta or {})}
+    engine.save_checkpoint(str(ckpt_root), tag=tag, client_state=client, save_latest=False)
+    # Each rank's data position (webdataset positions differ per rank) and RNG states.
+    _write_json_atomic(path / f"rank{_rank()}.json", {"data": data_state, "rng": rng_state()})
+    full_meta = {
+        "step": step,
+        **(meta or {}),
+        "world_size": _world(),
+        "zero_stage": int(engine.zero_optimization_stage()),
+        "param_shapes": param_shapes(engine.module),
+        "settings": settings,
+    }
+    # Sync point: every rank's files are closed before rank 0 lists them and marks the folder complete.
     _barrier()
     if _rank() == 0:
+        _write_json_atomic(path / META, full_meta)
+        _write_json_atomic(path / MANIFEST, _manifest(path))
         (path / MARKER).write_text(str(step))
         tmp = ckpt_root / f".{POINTER}.tmp"
         tmp.write_text(tag)
         os.replace(tmp, ckpt_root / POINTER)
+        if keep is not None:
+            prune(ckpt_root, keep)
     _barrier()
     return path
 
 
-def resolve(run_dir: Path, resume: str) -> Path:
+def _step_of(folder: Path) -> int | None:
+    name = folder.name
+    if not name.startswith(TAG_PREFIX) or not name[len(TAG_PREFIX) :].isdigit():
+        return None
+    return int(name[len(TAG_PREFIX) :])
+
+
+def prune(ckpt_root: Path, keep: int) -> list[Path]:
+    """Delete checkpoints older than the newest ``keep`` complete ones (complete or partial); return them.
+
+    Only called after a newer checkpoint is complete, so at least one complete checkpoint always stays.
+    """
+    folders = sorted((p for p in ckpt_root.iterdir() if p.is_dir() and _step_of(p) is not None), key=_step_of)
+    complete = [p for p in folders if (p / MARKER).exists()]
+    if len(complete) <= keep:
+        return []
+    oldest_kept = _step_of(complete[-keep])
+    gone = [p for p in folders if _step_of(p) < oldest_kept]
+    for p in gone:
+        # The marker goes first: a deletion cut short leaves a folder that reads as partial, not complete.
+        (p / MARKER).unlink(missing_ok=True)
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
+
+
+# ----------------------------------------------------------------------------------------------- find
+
+
+def resolve(run_dir: Path | None, resume: str) -> Path:
+    """The checkpoint folder named by ``--resume`` ('latest' of run_dir, a checkpoint folder, or a run folder),
+    checked complete: marker present, every file of the manifest there with its size."""
+    flag = f"--resume {resume}"
     if resume == "latest":
-        pointer = run_dir / "checkpoints" / POINTER
+        if run_dir is None:
+            raise CheckpointError(f"{flag}: no run folder given")
+        root = run_dir / "checkpoints"
+        pointer = root / POINTER
         if not pointer.exists():
-            raise CheckpointError(f"--resume latest: no complete checkpoint in {run_dir / 'checkpoints'}")
-        path = run_dir / "checkpoints" / pointer.read_text().strip()
+            raise CheckpointError(f"{flag}: no complete checkpoint in {root} ({POINTER} not found)")
+        path = root / pointer.read_text().strip()
     else:
-        path = Path(resume)
+        path = Path(resume).expanduser()
+        if (path / "checkpoints" / POINTER).exists():  # a run folder: its latest complete checkpoint
+            path = path / "checkpoints" / (path / "checkpoints" / POINTER).read_text().strip()
+        elif (path / POINTER).exists():  # a checkpoints folder
+            path = path / (path / POINTER).read_text().strip()
     if not path.is_dir():
-        raise CheckpointError(f"--resume {resume}: {path} is not a checkpoint folder")
+        raise CheckpointError(f"{flag}: {path} is not a checkpoint folder")
     if not (path / MARKER).exists():
-        raise CheckpointError(
-            f"--resume {resume}: {path} is a partial checkpoint (no {MARKER} marker); pick another"
-        )
+        raise CheckpointError(f"{flag}: {path} is a partial checkpoint (no {MARKER} marker); pick another")
+    manifest_file = path / MANIFEST
+    if not manifest_file.exists() or not (path / META).exists():
+        raise CheckpointError(f"{flag}: {path} has no {MANIFEST}/{META}: not a ds_clip checkpoint")
+    for name, size in json.loads(manifest_file.read_text()).items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{flag}: {path} is partial: {name} is missing; pick another checkpoint")
+        if f.stat().st_size != size:
+            raise CheckpointError(
+                f"{flag}: {path} is partial: {name} has {f.stat().st_size} bytes, the manifest says {size}"
+            )
     return path
 
 
-def load(engine, run_dir: Path, resume: str) -> dict[str, Any]:
-    """Every rank calls this; returns {'step', 'data', 'path'}."""
-    path = resolve(run_dir, resume)
-    data_file = path / f"data_rank{_rank()}.json"
-    if not data_file.exists():
-        raise CheckpointError(
-            f"--resume {resume}: {data_file.name} missing in {path} (saved on fewer ranks?)"
+def read_meta(path: Path) -> dict[str, Any]:
+    return json.loads((path / META).read_text())
+
+
+# ----------------------------------------------------------------------------------------------- load
+
+
+def check_compatible(
+    meta: dict[str, Any], flag: str, *, shapes: dict[str, list[int]], global_batch: int, world_size: int
+) -> None:
+    """Raise CheckpointError if the checkpoint's model or global batch differ from this run's."""
+    saved = meta["param_shapes"]
+    if saved != shapes:
+        missing = sorted(set(shapes) - set(saved))
+        extra = sorted(set(saved) - set(shapes))
+        differ = sorted(n for n in set(saved) & set(shapes) if saved[n] != shapes[n])
+        detail = (
+            f"missing in checkpoint: {missing[:3]}"
+            if missing
+            else f"not in this model: {extra[:3]}"
+            if extra
+            else f"{differ[0]} is {saved[differ[0]]} there, {shapes[differ[0]]} here"
         )
+        raise CheckpointError(
+            f"{flag}: incompatible model: the checkpoint was saved from --model {meta.get('model')!r} ({detail}); "
+            "resume with the same --model, or export it (ds-clip-export) and fine-tune with --pretrained"
+        )
+    n_saved = meta["world_size"] * meta["accum_freq"] * meta["micro_batch_size"]
+    if n_saved != global_batch:
+        k_saved, m_saved = meta["accum_freq"], meta["micro_batch_size"]
+        hint = ""
+        if n_saved % (world_size * m_saved) == 0:
+            hint = f": use --batch-size {m_saved} --accum-freq {n_saved // (world_size * m_saved)}"
+        raise CheckpointError(
+            f"{flag}: the checkpoint trained global batch N = W*k*m = {meta['world_size']}*{k_saved}*{m_saved} = "
+            f"{n_saved}, this run {global_batch}; a resume keeps N{hint} (or start a new run with --pretrained "
+            "from an export)"
+        )
+
+
+def load(
+    engine,
+    run_dir: Path | None,
+    resume: str,
+    *,
+    shapes: dict[str, list[int]] | None = None,
+    global_batch: int | None = None,
+) -> dict[str, Any]:
+    """Every rank calls this; returns {'step', 'epoch', 'samples_seen', 'data', 'path', 'meta', 'resharded'}.
+
+    ``shapes`` (param_shapes of the model before deepspeed.initialize) and ``global_batch`` are checked
+    against the checkpoint first, for a clear error instead of DeepSpeed's size mismatch.
+    """
+    flag = f"--resume {resume}"
+    path = resolve(run_dir, resume)
+    meta = read_meta(path)
+    world, rank = _world(), _rank()
+    if shapes is not None and global_batch is not None:
+        check_compatible(meta, flag, shapes=shapes, global_batch=global_batch, world_size=world)
+    stage = int(engine.zero_optimization_stage())
+    same_shape = meta["world_size"] == world and meta["zero_stage"] == stage
     try:
-        load_path, client = engine.load_checkpoint(str(path.parent), tag=path.name)
-    except (RuntimeError, ValueError, KeyError, OSError) as exc:
-        raise CheckpointError(f"--resume {resume}: cannot load {path}: {exc}") from exc
-    if load_path is None:
-        raise CheckpointError(f"--resume {resume}: DeepSpeed found no checkpoint in {path}")
-    return {"step": int(client["step"]), "data": json.loads(data_file.read_text()), "path": str(path)}
+        if same_shape or (meta["zero_stage"] == 0 and stage == 0 and not _has_zero_files(path)):
+            # ZeRO-0 fp32 saves the whole optimizer state in one file: any world size loads it.
+            load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
+            if load_path is None:
+                raise CheckpointError(f"{flag}: DeepSpeed found no checkpoint in {path}")
+        else:
+            _load_other_shape(engine, path, meta, stage, flag, run_dir)
+    except CheckpointError:
+        raise
+    except (RuntimeError, ValueError, KeyError, OSError, AssertionError) as exc:
+        raise CheckpointError(f"{flag}: cannot load {path}: {type(exc).__name__}: {exc}") from exc
+    # This rank's data position and RNG; on another world size, rank 0's position (the data loader counts
+    # whole micro-batches from it) and the RNG state of rank r mod W_saved.
+    own = path / f"rank{rank}.json"
+    src = own if meta["world_size"] == world else path / f"rank{rank % meta['world_size']}.json"
+    per_rank = json.loads(src.read_text())
+    data_state = (
+        per_rank["data"]
+        if meta["world_size"] == world
+        else json.loads((path / "rank0.json").read_text())["data"]
+    )
+    set_rng_state(per_rank["rng"])
+    return {
+        "step": int(meta["step"]),
+        "epoch": meta.get("epoch"),
+        "samples_seen": meta.get("samples_seen"),
+        "data": data_state,
+        "path": str(path),
+        "meta": meta,
+        "resharded": not same_shape,
+    }
+
+
+def _has_zero_files(path: Path) -> bool:
+    return any(path.glob("*zero_pp_rank_*_optim_states.pt"))
+
+
+def _universal_dir(path: Path, run_dir: Path | None, flag: str) -> Path:
+    """Convert ``path`` to DeepSpeed's universal layout once (rank 0), next to this run's checkpoints."""
+    from argparse import Namespace
+
+    out_root = (run_dir / "checkpoints") if run_dir is not None else path.parent
+    out = out_root / f"{UNIVERSAL_PREFIX}{path.parent.parent.name}-{path.name}"
+    error = [None]
+    if _rank() == 0 and not (out / MARKER).exists():
+        try:
+            from deepspeed.checkpoint import ds_to_universal
+
+            if out.exists():
+                shutil.rmtree(out)
+            out.mkdir(parents=True)
+            ds_to_universal.main(
+                Namespace(
+                    input_folder=str(path),
+                    output_folder=str(out),
+                    num_extract_workers=1,
+                    num_merge_workers=1,
+                    keep_temp_folder=False,
+                    strict=True,
+                    inject_missing_state=True,
+                )
+            )
+            (out / MARKER).write_text(path.name)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            error[0] = f"{type(exc).__name__}: {exc}"
+    if dist.is_initialized():
+        dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise CheckpointError(
+            f"{flag}: converting {path} to DeepSpeed's universal checkpoint failed ({error[0]}); resume on "
+            "the world size and ZeRO stage it was saved with, or export it and fine-tune with --pretrained"
+        )
+    return out
+
+
+def _load_other_shape(engine, path: Path, meta: dict[str, Any], stage: int, flag: str, run_dir) -> None:
+    if meta["zero_stage"] == 0 and not _has_zero_files(path):
+        raise CheckpointError(
+            f"{flag}: the checkpoint is ZeRO-0 and this run ZeRO-{stage}: resume with --zero-stage 0 (any world "
+            "size), or export it and fine-tune with --pretrained"
+        )
+    if stage == 0:
+        raise CheckpointError(
+            f"{flag}: the checkpoint is ZeRO-{meta['zero_stage']} on {meta['world_size']} ranks; a different "
+            "world size needs ZeRO-1, 2 or 3 here (--zero-stage)"
+        )
+    universal = _universal_dir(path, run_dir, flag)
+    try:
+        if stage in (1, 2):
+            # DeepSpeed's own universal load is exact for ZeRO-1/2 (tested); the engine reads this switch at load.
+            config = engine._config
+            saved, config.load_universal_checkpoint = config.load_universal_checkpoint, True
+            try:
+                load_path, _ = engine.load_checkpoint(str(universal.parent), tag=universal.name)
+            finally:
+                config.load_universal_checkpoint = saved
+            if load_path is None:
+                raise CheckpointError(f"{flag}: DeepSpeed found no checkpoint in {universal}")
+        else:
+            _load_resharded(engine, universal / "zero")
+            _load_common(engine, path)
+    finally:
+        # The converted copy (full fp32 weights and moments) is only a means of loading: drop it once all
+        # ranks have read it; the next save of this run is a normal checkpoint on the new world size.
+        _barrier()
+        if _rank() == 0:
+            shutil.rmtree(universal, ignore_errors=True)
+
+
+def _load_common(engine, path: Path) -> None:
+    """What is not per parameter: LR scheduler, engine counters, module buffers (BatchNorm statistics)."""
+    files = sorted(path.glob("*mp_rank_00_model_states.pt"))
+    state = torch.load(files[0], map_location="cpu", weights_only=False)
+    if engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+        sched = engine.lr_scheduler
+        sched.load_state_dict(state["lr_scheduler"])
+        # A scheduler writes the learning rate into the optimizer only when it steps: do it for the saved one.
+        for group, lr in zip(engine.optimizer.param_groups, sched.get_last_lr()):
+            group["lr"] = lr
+    engine.global_steps = state.get("global_steps", engine.global_steps)
+    engine.global_samples = state.get("global_samples", engine.global_samples)
+    module_state = state.get("module") or {}
+    with torch.no_grad():
+        for name, buf in engine.module.named_buffers():
+            if name in module_state:
+                buf.copy_(module_state[name].to(buf.dtype).view_as(buf))
+
+
+def _load_resharded(engine, zero_dir: Path) -> None:
+    """ZeRO-3: write full per-parameter fp32 weights and Adam moments (DeepSpeed's universal layout,
+    zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt) into this rank's partitions and working shards."""
+    opt = engine.optimizer
+    if not hasattr(opt, "_get_fp32_opt_state_partition"):
+        raise CheckpointError(f"resharding into a {type(opt).__name__} optimizer is not supported")
+    # Adam creates its state at the first step; a resumed engine has not stepped yet: create it empty.
+    for flat in opt.fp32_partitioned_groups_flat:
+        state = opt.optimizer.state[flat]
+        if not state:
+            state.update(
+                step=torch.tensor(0.0), exp_avg=torch.zeros_like(flat), exp_avg_sq=torch.zeros_like(flat)
+            )
+    step_value = None
+    for name, p in engine.module.named_parameters():
+        folder = zero_dir / name
+        if not (folder / "fp32.pt").exists():
+            raise CheckpointError(f"universal checkpoint {zero_dir} has no state for parameter {name}")
+        rank = opt._get_param_partition_rank(p)
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            f = folder / f"{key}.pt"
+            if not f.exists():
+                continue
+            t = torch.load(f, map_location="cpu", weights_only=False)
+            value = (t["param"] if isinstance(t, dict) else t).float().flatten()
+            # This rank holds elements [rank*part, (rank+1)*part) of the zero-padded flat parameter.
+            part, _ = opt._get_fp32_opt_state_partition(
+                p, release_swap_buffers=False, optim_state_key=None if key == "fp32" else key
+            )
+            _copy_slice(part.data, value, rank)
+            if key == "fp32":
+                _copy_slice(p.ds_tensor.data, value, rank)
+        if step_value is None and (folder / "step.pt").exists():
+            s = torch.load(folder / "step.pt", map_location="cpu", weights_only=False)
+            step_value = s["param"] if isinstance(s, dict) else s
+    if step_value is None and (zero_dir / "optimizer_state.pt").exists():  # ZeRO-3 sources keep it here
+        common = torch.load(zero_dir / "optimizer_state.pt", map_location="cpu", weights_only=False)
+        states = common.get("optimizer_state_dict", {}).get("state", {})
+        step_value = next((st["step"] for st in states.values() if "step" in st), None)
+    if step_value is None:
+        raise CheckpointError(f"universal checkpoint {zero_dir} records no optimizer step count")
+    # Adam's step count (bias correction) is kept per flat partition; the same for every parameter.
+    if step_value is not None:
+        for st in opt.optimizer.state.values():
+            if "step" in st:
+                st["step"] = (
+                    step_value.clone() if torch.is_tensor(st["step"]) else type(st["step"])(step_value)
+                )
+
+
+def _copy_slice(dst: torch.Tensor, full: torch.Tensor, rank: int) -> None:
+    n = dst.numel()
+    start = n * rank
+    take = max(0, min(n, full.numel() - start))
+    flat = dst.view(-1)
+    flat.zero_()
+    if take:
+        flat[:take].copy_(full[start : start + take].to(flat.dtype))

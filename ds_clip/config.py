@@ -58,14 +58,14 @@ class TrainSettings:
     train_data: str | None = None
     """Webdataset shards, brace patterns allowed, several sources joined with "::". None: synthetic data."""
     val_data: str | None = None
-    """Validation shards, same syntax as train_data."""
+    """Validation shards, same syntax as train_data, or "synthetic" (held-out pairs of the built-in dataset)."""
     dataset_type: str = "synthetic"
     """"synthetic" (random pairs, no files) or "webdataset". parse_settings picks synthetic when no
     --train-data is given, webdataset otherwise."""
     train_num_samples: int | None = None
     """Training pairs per epoch (samples); needed for webdataset shards without a size file."""
     val_num_samples: int | None = None
-    """Validation pairs (samples); None: all of --val-data."""
+    """Validation pairs (samples); None: all of --val-data (512 for "synthetic")."""
     dataset_resampled: bool = False
     """Draw shards with replacement (webdataset); an epoch is then train_num_samples draws."""
     image_key: str = "jpg;jpeg;png;webp"
@@ -128,6 +128,12 @@ class TrainSettings:
     """Save a DeepSpeed checkpoint every this many optimizer steps (steps); None: only at the end."""
     val_every_n_steps: int | None = None
     """Evaluate on val_data every this many optimizer steps (steps); None: only at the end."""
+    keep_checkpoints: int | None = None
+    """Keep only the newest N complete checkpoints (older ones are deleted after a newer one is complete);
+    None: keep all."""
+    zeroshot_classes: str | None = None
+    """Zero-shot classification during evaluation: a JSON file {"classnames": [...], "templates": [...]}
+    (templates with "{c}", or "simple"/"openai" for open_clip's lists) or a text file, one class a line."""
     resume: str | None = None
     """None, "latest" (latest checkpoint of the run named by --name), or a checkpoint folder."""
     report_to: list[str] = field(default_factory=list)
@@ -184,7 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="webdataset shards: brace patterns, sources joined by '::'",
     )
     g.add_argument(
-        "--val-data", metavar="PATTERN", default=None, help="validation shards, same syntax as --train-data"
+        "--val-data",
+        metavar="PATTERN",
+        default=None,
+        help="validation shards (same syntax as --train-data) or 'synthetic'",
     )
     g.add_argument(
         "--dataset-type",
@@ -296,6 +305,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=_optional_int,
         default=None,
         help="evaluation cadence (steps)",
+    )
+    g.add_argument(
+        "--keep-checkpoints",
+        metavar="N",
+        type=_optional_int,
+        default=None,
+        help="keep the newest N complete checkpoints; default: all",
+    )
+    g.add_argument(
+        "--zeroshot-classes",
+        metavar="FILE",
+        default=None,
+        help="class names + templates (JSON) or one class a line, for zero-shot eval",
     )
     g.add_argument(
         "--resume", metavar="latest|DIR", default=None, help="'latest' (of --name) or a checkpoint folder"
@@ -427,7 +449,15 @@ def _check_model(s: TrainSettings) -> None:
 
 
 def _check_pretrained(pretrained: str) -> None:
-    if Path(pretrained).expanduser().exists():
+    path = Path(pretrained).expanduser()
+    if path.is_dir():
+        # An exported folder (ds-clip-export): the trainer loads its open_clip_model.safetensors.
+        _need(
+            any(path.glob("*.safetensors")) or any(path.glob("*.bin")),
+            f"--pretrained {pretrained!r}: the folder holds no *.safetensors or *.bin weights",
+        )
+        return
+    if path.exists():
         return
     if "://" in pretrained or pretrained.startswith("hf-hub:"):
         raise SettingsError(
@@ -507,8 +537,18 @@ def validate(s: TrainSettings) -> None:
         raise SettingsError("--train-data is given but --dataset-type is synthetic: drop one of them")
     if s.train_data:
         _check_shards("--train-data", s.train_data)
-    if s.val_data:
+    if s.val_data and s.val_data != "synthetic":
         _check_shards("--val-data", s.val_data)
+    _need(
+        s.keep_checkpoints is None or s.keep_checkpoints >= 1,
+        f"--keep-checkpoints must be >= 1, got {s.keep_checkpoints}",
+    )
+    if s.zeroshot_classes is not None:
+        _need(bool(s.val_data), "--zeroshot-classes needs --val-data (the images to classify)")
+        _need(
+            Path(s.zeroshot_classes).expanduser().is_file(),
+            f"--zeroshot-classes {s.zeroshot_classes!r}: no such file",
+        )
 
     # Model and weights.
     if s.pretrained:

@@ -26,7 +26,11 @@ class Fault:
     rank: int
 
     def fires(self, kind: str, step: int, rank: int) -> bool:
-        return self.kind == kind and self.rank == rank and (step >= self.step if self.open_ended else step == self.step)
+        return (
+            self.kind == kind
+            and self.rank == rank
+            and (step >= self.step if self.open_ended else step == self.step)
+        )
 
 
 def _parse(text: str) -> list[Fault]:

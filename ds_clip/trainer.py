@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ds_clip import checkpoint
+from ds_clip import checkpoint, evaluate
 from ds_clip.config import TrainSettings, settings_to_dict
 from ds_clip.data import DataSettings, build_train_data
 from ds_clip.distributed import DistInfo, all_reduce_mean, init_distributed
@@ -93,11 +93,17 @@ def train(s: TrainSettings) -> TrainSummary:
     )
     logging.getLogger("ds_clip").setLevel(logging.INFO if info.is_main else logging.WARNING)
 
+    from ds_clip.export import resolve_pretrained
+
     bundle = build_model(
-        s.model, pretrained=s.pretrained, seed=s.seed, grad_checkpointing=s.grad_checkpointing
+        s.model,
+        pretrained=resolve_pretrained(s.pretrained),  # an exported folder or a weights file
+        seed=s.seed,
+        grad_checkpointing=s.grad_checkpointing,
     )
     model = bundle.model
     prepare_for_deepspeed(model)
+    model_shapes = checkpoint.param_shapes(model)  # checked against a checkpoint before DeepSpeed loads it
 
     m, k, w = s.batch_size, s.accum_freq, info.world_size
     global_batch = w * k * m
@@ -137,20 +143,70 @@ def train(s: TrainSettings) -> TrainSummary:
         world_size=w,
     )
 
+    # ---- checkpoints and evaluation (issue 9): what a save records, what an evaluation needs
+    import open_clip
+
+    ckpt_meta = {
+        "accum_freq": k,
+        "micro_batch_size": m,
+        "precision": s.precision,
+        "model": s.model,
+        "model_cfg": bundle.model_cfg,
+        "preprocess_cfg": open_clip.get_model_preprocess_cfg(model),
+    }
+
+    def save(step: int) -> None:
+        meta = {**ckpt_meta, "epoch": data.epoch, "samples_seen": step * global_batch}
+        checkpoint.save(
+            engine, run_dir, step, data.state_dict(), settings_to_dict(s), meta=meta, keep=s.keep_checkpoints
+        )
+
+    if s.zeroshot_classes:
+        try:
+            evaluate.load_zeroshot(s.zeroshot_classes)  # a bad file fails now, not after the first steps
+        except evaluate.EvalError as exc:
+            from ds_clip.config import SettingsError
+
+            raise SettingsError(str(exc)) from exc
+    val_settings = (
+        evaluate.EvalSettings(
+            val_data=s.val_data,
+            val_num_samples=s.val_num_samples,
+            batch_size=s.batch_size,
+            zeroshot_classes=s.zeroshot_classes,
+            seed=s.seed,
+            image_size=image_size if isinstance(image_size, int) else image_size[0],
+            image_key=s.image_key,
+            caption_key=s.caption_key,
+        )
+        if s.val_data
+        else None
+    )
+
+    def run_eval(step: int) -> None:
+        # Every rank embeds its slice (a collective); rank 0 reports.
+        metrics = evaluate.run_on_engine(
+            engine, val_settings, preprocess=bundle.preprocess_val, tokenizer=bundle.tokenizer
+        )
+        if writer is not None:
+            evaluate.report(run_dir, step, metrics, writer.tb)
+
     step, epoch, start_in_epoch = 0, 0, 0
     if s.resume:
-        state = checkpoint.load(engine, run_dir, s.resume)
+        state = checkpoint.load(engine, run_dir, s.resume, shapes=model_shapes, global_batch=global_batch)
         step = state["step"]
         data.load_state_dict(state["data"])
         epoch, start_in_epoch = data.epoch, data.step_in_epoch
         if info.is_main:
             logger.info(
-                "resumed from %s at step %d (epoch %d, step %d in epoch)",
+                "resumed from %s at step %d (epoch %d, step %d in epoch)%s",
                 state["path"],
                 step,
                 epoch,
                 start_in_epoch,
+                " on a new world size / ZeRO stage" if state["resharded"] else "",
             )
+    # ---- end of checkpoint/evaluation set-up
 
     if info.is_main:
         logger.info(
@@ -206,12 +262,21 @@ def train(s: TrainSettings) -> TrainSummary:
                         )
                     window_samples, window_time, window_data, window_start = 0, 0.0, 0.0, time.perf_counter()
                 if s.save_every_n_steps and step % s.save_every_n_steps == 0 and step < total_steps:
-                    checkpoint.save(engine, run_dir, step, data.state_dict(), settings_to_dict(s))
+                    save(step)
+                if (
+                    val_settings
+                    and s.val_every_n_steps
+                    and step % s.val_every_n_steps == 0
+                    and step < total_steps
+                ):
+                    run_eval(step)
                 if step >= total_steps:
                     break
                 t_data = time.perf_counter()
             epoch, start_in_epoch = epoch + 1, 0
-        checkpoint.save(engine, run_dir, step, data.state_dict(), settings_to_dict(s))
+        if val_settings:
+            run_eval(step)
+        save(step)
     finally:
         if writer is not None:
             writer.close()

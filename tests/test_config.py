@@ -173,6 +173,9 @@ def test_argparse_type_errors_exit_2():
         (["--workers", "-1"], "--workers"),
         (["--log-every-n-steps", "0"], "--log-every-n-steps"),
         (["--save-every-n-steps", "0"], "--save-every-n-steps"),
+        (["--keep-checkpoints", "0"], "--keep-checkpoints must be >= 1, got 0"),
+        (["--zeroshot-classes", "/nonexistent/c.json"], "--zeroshot-classes needs --val-data"),
+        (["--val-data", "synthetic", "--zeroshot-classes", "/nonexistent/c.json"], "--zeroshot-classes"),
         (["--local-loss"], "--gather-with-grad"),
         (["--dataset-type", "webdataset"], "--train-data"),
         (["--train-data", "/nonexistent/shard-{000..003}.tar"], "/nonexistent/shard-{000..003}.tar"),
@@ -199,6 +202,27 @@ def test_bad_input_raises_settings_error_naming_the_flag(argv, needle):
         parse_settings(argv)
     assert needle in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_checkpoint_and_eval_flags(tmp_path):
+    """--keep-checkpoints N, --val-data synthetic (no shard check), --zeroshot-classes FILE."""
+    classes = tmp_path / "classes.txt"
+    classes.write_text("circle\nsquare\n")
+    s = parse_settings(
+        ["--keep-checkpoints", "3", "--val-data", "synthetic", "--zeroshot-classes", str(classes)]
+    )
+    assert (s.keep_checkpoints, s.val_data, s.zeroshot_classes) == (3, "synthetic", str(classes))
+    d = parse_settings([])
+    assert d.keep_checkpoints is None and d.zeroshot_classes is None
+    assert parse_settings(["--keep-checkpoints", "none"]).keep_checkpoints is None
+    assert settings_to_dict(s)["keep_checkpoints"] == 3
+    # --pretrained may name an exported folder, which must hold weights.
+    folder = tmp_path / "export"
+    folder.mkdir()
+    with pytest.raises(SettingsError, match="--pretrained .* no \\*.safetensors"):
+        parse_settings(["--model", "ViT-B-32", "--pretrained", str(folder)])
+    (folder / "open_clip_model.safetensors").write_bytes(b"")
+    parse_settings(["--model", "ViT-B-32", "--pretrained", str(folder)])
 
 
 def test_local_loss_with_gather_with_grad_and_siglip_gather_are_fine():

@@ -1,0 +1,599 @@
+"""Evaluation: val loss, image<->text retrieval and zero-shot classification, on the engine or an export.
+
+    ds-clip-eval OUT --val-data synthetic --zeroshot-classes classes.json      # an exported folder
+    ds-clip-eval ViT-B-32 --pretrained OUT/open_clip_model.safetensors --val-data 'val/{0..3}.tar'
+
+During training (``--val-data``, ``--val-every-n-steps``) every rank takes part: rank r embeds the
+samples with index i = r (mod W), the embeddings are gathered with their indices, so every sample
+counts exactly once whatever W is, and every rank runs the same number of forward passes (ZeRO-3
+gathers parameters in forward: a rank that ran out of samples repeats a padding batch).
+
+Metrics are over the whole validation set at once, so they do not depend on W or the batch size:
+- ``val_loss``: the CLIP (or SigLIP) loss of all N_val pairs as one batch;
+- ``i2t_R@{1,5,10}``, ``t2i_R@{1,5,10}``, ``*_median_rank`` (1-based): the rank of the true partner
+  among all N_val candidates; ties are broken by sample index (as a stable sort would), so a model
+  that maps everything to one point scores chance, not 100%;
+- ``zeroshot_top1`` / ``zeroshot_top5``: class = argmax of the image against the mean of the
+  normalised template embeddings of each class (open_clip's classifier). A sample's label is its
+  webdataset ``cls`` (integer) if present, else the one class name found as whole words in its caption;
+  samples with no or several matches are left out (``zeroshot_samples`` says how many count).
+
+``--val-data synthetic`` renders held-out pairs of the built-in dataset (indices from 2**40 on, which
+training never reaches); webdataset shards are read in order, undecoded samples of other ranks skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import os
+import re
+import statistics
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+logger = logging.getLogger("ds_clip")
+
+SYNTHETIC = "synthetic"
+SYNTHETIC_VAL_OFFSET = 2**40
+DEFAULT_SYNTHETIC_VAL_SAMPLES = 512
+RECALL_KS = (1, 5, 10)
+_CHUNK = 1024  # rows of the similarity matrix held at once: memory O(chunk * N_val)
+
+Forward = Callable[..., dict]
+
+
+class EvalError(ValueError):
+    """Bad evaluation input (a flag, file or pattern); the message names it."""
+
+
+@dataclass
+class EvalSettings:
+    val_data: str
+    """--val-data: "synthetic" or webdataset shards (brace patterns, "::" between sources)."""
+    val_num_samples: int | None = None
+    """--val-num-samples: cap on the pairs evaluated; synthetic default 512."""
+    batch_size: int = 64
+    """Pairs per forward pass per rank."""
+    zeroshot_classes: str | None = None
+    """--zeroshot-classes: JSON {"classnames": [...], "templates": [...]} or a text file, one class a line."""
+    seed: int = 0
+    image_size: int = 64
+    """Side at which synthetic images are rendered (the model's preprocess resizes)."""
+    image_key: str = "jpg;jpeg;png;webp"
+    caption_key: str = "txt"
+
+
+# ------------------------------------------------------------------------------------------- zero-shot
+
+
+def load_zeroshot(path: str) -> tuple[list[str], list[Callable[[str], str]]]:
+    """Class names and prompt templates from ``path``.
+
+    JSON: {"classnames": [...], "templates": ["a photo of a {c}.", ...] | "openai" | "simple"}; a text file:
+    one class name a line, open_clip's SIMPLE_IMAGENET_TEMPLATES.
+    """
+    import open_clip
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise EvalError(f"--zeroshot-classes {path!r}: no such file")
+    templates: Any = "simple"
+    if p.suffix == ".json":
+        try:
+            data = json.loads(p.read_text())
+            classnames = [str(c) for c in data["classnames"]]
+            templates = data.get("templates", "simple")
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise EvalError(
+                f"--zeroshot-classes {path}: expected {{'classnames': [...], 'templates': [...]}}"
+            ) from exc
+    else:
+        classnames = [line.strip() for line in p.read_text().splitlines() if line.strip()]
+    if not classnames:
+        raise EvalError(f"--zeroshot-classes {path}: no class names")
+    if templates == "simple":
+        fns = list(open_clip.SIMPLE_IMAGENET_TEMPLATES)
+    elif templates == "openai":
+        fns = list(open_clip.OPENAI_IMAGENET_TEMPLATES)
+    elif (
+        isinstance(templates, list)
+        and templates
+        and all(isinstance(t, str) and "{c}" in t for t in templates)
+    ):
+        fns = [(lambda c, t=t: t.replace("{c}", c)) for t in templates]
+    else:
+        raise EvalError(
+            f"--zeroshot-classes {path}: templates must be 'simple', 'openai' or strings with {{c}}"
+        )
+    return classnames, fns
+
+
+def label_from_caption(caption: str, classnames: list[str]) -> int:
+    """Index of the one class name found as whole words in ``caption``; -1 for none or several."""
+    low = caption.lower()
+    hits = [i for i, c in enumerate(classnames) if re.search(rf"\b{re.escape(c.lower())}\b", low)]
+    return hits[0] if len(hits) == 1 else -1
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+class _SyntheticVal(torch.utils.data.Dataset):
+    """Held-out pairs of the built-in dataset: (index, image, tokens, label)."""
+
+    def __init__(self, s: EvalSettings, indices: list[int], preprocess, tokenizer, classnames) -> None:
+        self.s, self.indices, self.preprocess, self.tokenizer, self.classnames = (
+            s, indices, preprocess, tokenizer, classnames
+        )  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int):
+        from ds_clip.data.synthetic import render_pair
+
+        idx = self.indices[i]
+        image, caption = render_pair(self.s.seed, SYNTHETIC_VAL_OFFSET + idx, self.s.image_size)
+        label = label_from_caption(caption, self.classnames) if self.classnames else -1
+        return idx, self.preprocess(image), torch.as_tensor(self.tokenizer([caption])[0]), label
+
+
+def _wds_samples(s: EvalSettings, rank: int, world: int, preprocess, tokenizer, classnames) -> Iterator:
+    from ds_clip.data.wds import SkipCounter, decode_sample, expand_urls, iter_shard
+
+    image_exts = tuple(k.strip().lower() for k in s.image_key.split(";") if k.strip())
+    caption_exts = tuple(k.strip().lower() for k in s.caption_key.split(";") if k.strip())
+    counter = SkipCounter()
+    index = 0
+    for url in expand_urls(s.val_data):
+        for raw in iter_shard(url, counter):
+            if s.val_num_samples is not None and index >= s.val_num_samples:
+                return
+            mine = index % world == rank
+            index += 1
+            if not mine:
+                continue
+            out = decode_sample(
+                raw,
+                image_exts=image_exts,
+                caption_exts=caption_exts,
+                preprocess=preprocess,
+                tokenizer=tokenizer,
+            )
+            if isinstance(out, str):
+                counter.add(out, url, raw.key)
+                continue
+            label = -1
+            if "cls" in raw.data:
+                try:
+                    label = int(raw.data["cls"].decode().strip())
+                except ValueError:
+                    label = -1
+            elif classnames:
+                label = label_from_caption(
+                    raw.data[next(e for e in caption_exts if e in raw.data)].decode(), classnames
+                )
+            yield index - 1, out[0], out[1], label
+    pending, messages = counter.take()
+    for m in messages:
+        logger.warning("val: %s", m)
+    if pending:
+        logger.warning("val rank %d: skipped %s", rank, pending)
+
+
+def iter_val_batches(
+    s: EvalSettings,
+    *,
+    rank: int,
+    world: int,
+    preprocess,
+    tokenizer,
+    classnames: list[str] | None,
+    workers: int = 0,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """This rank's batches of (indices, images, tokens, labels): samples i with i % world == rank."""
+    if s.val_data == SYNTHETIC:
+        n = s.val_num_samples or DEFAULT_SYNTHETIC_VAL_SAMPLES
+        ds = _SyntheticVal(s, list(range(rank, n, world)), preprocess, tokenizer, classnames)
+        yield from torch.utils.data.DataLoader(ds, batch_size=s.batch_size, num_workers=workers)
+        return
+    batch: list = []
+    for sample in _wds_samples(s, rank, world, preprocess, tokenizer, classnames):
+        batch.append(sample)
+        if len(batch) == s.batch_size:
+            yield _collate(batch)
+            batch = []
+    if batch:
+        yield _collate(batch)
+
+
+def _collate(batch: list) -> tuple[torch.Tensor, ...]:
+    idx, images, texts, labels = zip(*batch)
+    return torch.tensor(idx), torch.stack(images), torch.stack(texts), torch.tensor(labels)
+
+
+# --------------------------------------------------------------------------------------------- metrics
+
+
+def retrieval_metrics(image: torch.Tensor, text: torch.Tensor) -> dict[str, float]:
+    """Recall@1/5/10 and median rank both ways; pair i is (image[i], text[i]); features L2-normalised here."""
+    image, text = F.normalize(image.float(), dim=-1), F.normalize(text.float(), dim=-1)
+    out: dict[str, float] = {}
+    for name, q, c in (("i2t", image, text), ("t2i", text, image)):
+        ranks = _true_ranks(q, c)
+        for k in RECALL_KS:
+            out[f"{name}_R@{k}"] = float((ranks < k).float().mean())
+        out[f"{name}_median_rank"] = float(statistics.median((ranks + 1).tolist()))
+    return out
+
+
+def _true_ranks(queries: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """0-based rank of candidate i for query i: candidates scoring higher, plus equal ones of lower index."""
+    n = queries.shape[0]
+    ranks = torch.empty(n, dtype=torch.long)
+    idx = torch.arange(n)
+    for start in range(0, n, _CHUNK):
+        rows = slice(start, min(n, start + _CHUNK))
+        sim = queries[rows] @ candidates.T
+        true = sim[torch.arange(sim.shape[0]), idx[rows]].unsqueeze(1)
+        before = idx.unsqueeze(0) < idx[rows].unsqueeze(1)
+        ranks[rows] = ((sim > true) | ((sim == true) & before)).sum(1)
+    return ranks
+
+
+def contrastive_val_loss(
+    image: torch.Tensor, text: torch.Tensor, logit_scale: float, logit_bias: float | None = None
+) -> float:
+    """The loss of all pairs as one batch: open_clip's ClipLoss (or SigLipLoss with logit_bias), chunked."""
+    image, text = F.normalize(image.float(), dim=-1), F.normalize(text.float(), dim=-1)
+    n = image.shape[0]
+    total = 0.0
+    for start in range(0, n, _CHUNK):
+        rows = slice(start, min(n, start + _CHUNK))
+        target = torch.arange(rows.start, rows.stop)
+        li = logit_scale * image[rows] @ text.T
+        if logit_bias is None:
+            lt = logit_scale * text[rows] @ image.T
+            total += (
+                float(
+                    F.cross_entropy(li, target, reduction="sum")
+                    + F.cross_entropy(lt, target, reduction="sum")
+                )
+                / 2
+            )
+        else:
+            labels = -torch.ones_like(li)
+            labels[torch.arange(li.shape[0]), target] = 1
+            total += float(-F.logsigmoid(labels * (li + logit_bias)).sum())
+    return total / n
+
+
+def zeroshot_accuracy(
+    image: torch.Tensor, labels: torch.Tensor, classifier: torch.Tensor
+) -> dict[str, float]:
+    """Top-1 (and top-5 with >= 5 classes) accuracy of images with a label (>= 0) against [C, d] class embeddings."""
+    keep = labels >= 0
+    out: dict[str, float] = {"zeroshot_samples": float(keep.sum())}
+    if not bool(keep.any()):
+        return out
+    logits = F.normalize(image[keep].float(), dim=-1) @ classifier.float().T
+    y = labels[keep]
+    out["zeroshot_top1"] = float((logits.argmax(1) == y).float().mean())
+    if classifier.shape[0] >= 5:
+        top5 = logits.topk(5, dim=1).indices
+        out["zeroshot_top5"] = float((top5 == y.unsqueeze(1)).any(1).float().mean())
+    return out
+
+
+# ---------------------------------------------------------------------------------------- the runner
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gather_rows(t: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's rows (counts may differ by rank)."""
+    rank, world = _world()
+    if world == 1:
+        return t
+    n = torch.tensor([t.shape[0]], device=t.device)
+    counts = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(counts, n)
+    most = int(max(c.item() for c in counts))
+    padded = torch.zeros((most, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    padded[: t.shape[0]] = t
+    parts = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[: int(c.item())] for p, c in zip(parts, counts)])
+
+
+def _max_over_ranks(x: int) -> int:
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor([x])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+@torch.no_grad()
+def evaluate(
+    forward: Forward,
+    s: EvalSettings,
+    *,
+    preprocess,
+    tokenizer,
+    workers: int = 0,
+    device: torch.device | str = "cpu",
+) -> dict[str, float]:
+    """Every rank calls this (a collective); every rank returns the same metrics.
+
+    ``forward(image=..., text=...)`` returns open_clip's output dict (either input may be None).
+    """
+    rank, world = _world()
+    classnames, templates = load_zeroshot(s.zeroshot_classes) if s.zeroshot_classes else (None, None)
+    batches = list(
+        iter_val_batches(
+            s,
+            rank=rank,
+            world=world,
+            preprocess=preprocess,
+            tokenizer=tokenizer,
+            classnames=classnames,
+            workers=workers,
+        )
+    )
+    # ZeRO-3 gathers parameters inside forward: every rank must run the same number of forwards.
+    n_forward = _max_over_ranks(len(batches))
+    idx, imgs, txts, labels = [], [], [], []
+    out: dict = {}
+    for b in range(n_forward):
+        pad = b >= len(batches)
+        i, image, text, label = (
+            batches[b] if not pad else (batches or [_padding(s, preprocess, tokenizer)])[-1]
+        )
+        out = forward(image=image.to(device), text=text.to(device))
+        if pad:
+            continue
+        idx.append(i)
+        imgs.append(out["image_features"].float().cpu())
+        txts.append(out["text_features"].float().cpu())
+        labels.append(label)
+    dim = out["image_features"].shape[-1]
+    cat = lambda xs, shape, dt: torch.cat(xs) if xs else torch.zeros(shape, dtype=dt)  # noqa: E731
+    order_idx = _gather_rows(cat(idx, (0,), torch.long))
+    image_f = _gather_rows(cat(imgs, (0, dim), torch.float32))
+    text_f = _gather_rows(cat(txts, (0, dim), torch.float32))
+    label_all = _gather_rows(cat(labels, (0,), torch.long))
+    order = order_idx.argsort()
+    image_f, text_f, label_all = image_f[order], text_f[order], label_all[order]
+    if torch.unique(order_idx).numel() != order_idx.numel():
+        raise RuntimeError("evaluation counted a sample twice: the per-rank slices overlap")
+    scale = float(out["logit_scale"].float().reshape(-1)[0])
+    bias = out.get("logit_bias")
+    metrics: dict[str, float] = {"val_samples": float(image_f.shape[0])}
+    metrics["val_loss"] = contrastive_val_loss(
+        image_f, text_f, scale, None if bias is None else float(bias.float().reshape(-1)[0])
+    )
+    metrics.update(retrieval_metrics(image_f, text_f))
+    if classnames:
+        classifier = zeroshot_classifier(
+            forward, tokenizer, classnames, templates, device=device, image=image
+        )
+        metrics.update(zeroshot_accuracy(image_f, label_all, classifier.cpu()))
+    return metrics
+
+
+def _padding(s: EvalSettings, preprocess, tokenizer):
+    # A rank with no sample at all still runs forwards; any valid input does.
+    from ds_clip.data.synthetic import render_pair
+
+    image, caption = render_pair(0, 0, s.image_size)
+    return (
+        torch.tensor([0]),
+        preprocess(image).unsqueeze(0),
+        torch.as_tensor(tokenizer([caption])),
+        torch.tensor([-1]),
+    )
+
+
+def zeroshot_classifier(
+    forward: Forward,
+    tokenizer,
+    classnames: list[str],
+    templates,
+    *,
+    device,
+    image: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[C, d] class embeddings: mean of the normalised template embeddings, normalised (open_clip's recipe).
+
+    Every rank computes all classes (same forward count on every rank). A dummy image rides along
+    with each text batch: the engine's top-level forward is the path ZeRO-3 gathers parameters on.
+    """
+    rows = []
+    for c in classnames:
+        tokens = torch.as_tensor(tokenizer([t(c) for t in templates])).to(device)
+        img = image[:1].expand(tokens.shape[0], *image.shape[1:]).to(device) if image is not None else None
+        emb = F.normalize(forward(image=img, text=tokens)["text_features"].float(), dim=-1).mean(0)
+        rows.append(F.normalize(emb, dim=-1))
+    return torch.stack(rows)
+
+
+def engine_forward(engine) -> Forward:
+    """The engine's top-level forward with inputs cast to its dtype (bf16/fp16 engines)."""
+    from ds_clip.step import input_dtype
+
+    dtype = input_dtype(engine)
+
+    def forward(image=None, text=None):
+        return engine(image=None if image is None else image.to(dtype), text=text)
+
+    return forward
+
+
+def run_on_engine(engine, s: EvalSettings, *, preprocess, tokenizer, workers: int = 0) -> dict[str, float]:
+    """Evaluate the engine's model (every rank calls this); restores train mode."""
+    was_training = engine.module.training
+    engine.eval()
+    try:
+        return evaluate(
+            engine_forward(engine),
+            s,
+            preprocess=preprocess,
+            tokenizer=tokenizer,
+            workers=workers,
+            device=engine.device,
+        )
+    finally:
+        if was_training:
+            engine.train()
+
+
+# ------------------------------------------------------------------------------------------- reporting
+
+
+def format_line(step: int, m: dict[str, float]) -> str:
+    parts = [f"val step {step}", f"samples {int(m.get('val_samples', 0))}"]
+    if "val_loss" in m:
+        parts.append(f"loss {m['val_loss']:.4f}")
+    for d in ("i2t", "t2i"):
+        if all(f"{d}_R@{k}" in m for k in RECALL_KS):
+            parts.append(f"{d} R@1/5/10 " + "/".join(f"{m[f'{d}_R@{k}']:.3f}" for k in RECALL_KS))
+            parts.append(f"{d} medR {m[f'{d}_median_rank']:.0f}")
+    if "zeroshot_top1" in m:
+        parts.append(f"zeroshot top1 {m['zeroshot_top1']:.3f}")
+    return " | ".join(parts)
+
+
+def report(run_dir: Path, step: int, metrics: dict[str, float], tb_writer=None) -> None:
+    """Rank 0: log line, TensorBoard (val/*), run_dir/val_metrics.csv, run_dir/eval_results.json (all evaluations)."""
+    logger.info(format_line(step, metrics))
+    row = {"step": step, **metrics}
+    if tb_writer is not None:
+        for k, v in metrics.items():
+            tb_writer.add_scalar(f"val/{k}", v, step)
+        tb_writer.flush()
+    csv_path = run_dir / "val_metrics.csv"
+    new = not csv_path.exists()
+    with csv_path.open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(row))
+        if new:
+            w.writeheader()
+        w.writerow(row)
+    json_path = run_dir / "eval_results.json"
+    history = json.loads(json_path.read_text()) if json_path.exists() else []
+    history = [h for h in history if h.get("step") != step] + [row]
+    tmp = json_path.with_name(".eval_results.json.tmp")
+    tmp.write_text(json.dumps(history, indent=1))
+    os.replace(tmp, json_path)
+
+
+# ------------------------------------------------------------------------------------------- ds-clip-eval
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ds-clip-eval",
+        description="Evaluate an exported (or any open_clip) model: val loss, retrieval recall, zero-shot accuracy.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "model", help="exported folder (ds-clip-export OUT), local-dir:PATH, or an open_clip model name"
+    )
+    p.add_argument("--pretrained", metavar="FILE", default=None, help="weights for a model name")
+    p.add_argument("--val-data", metavar="PATTERN", required=True, help="'synthetic' or webdataset shards")
+    p.add_argument("--val-num-samples", metavar="N", type=int, default=None, help="pairs to evaluate")
+    p.add_argument("--batch-size", metavar="B", type=int, default=64, help="pairs per forward pass")
+    p.add_argument("--zeroshot-classes", metavar="FILE", default=None, help="class names and templates")
+    p.add_argument("--seed", metavar="N", type=int, default=0, help="seed of the synthetic dataset")
+    p.add_argument("--image-key", default="jpg;jpeg;png;webp", help="webdataset image keys")
+    p.add_argument("--caption-key", default="txt", help="webdataset caption key")
+    p.add_argument("--out", metavar="JSON", default=None, help="also write the metrics to this file")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.batch_size < 1:
+            raise EvalError(f"--batch-size must be >= 1, got {args.batch_size}")
+        if args.val_num_samples is not None and args.val_num_samples < 1:
+            raise EvalError(f"--val-num-samples must be >= 1, got {args.val_num_samples}")
+        if args.val_data != SYNTHETIC:
+            from ds_clip.config import SettingsError, _check_shards
+
+            try:
+                _check_shards("--val-data", args.val_data)
+            except SettingsError as exc:
+                raise EvalError(str(exc)) from exc
+        if args.zeroshot_classes:
+            load_zeroshot(args.zeroshot_classes)
+        name = args.model
+        if Path(name).is_dir() and (Path(name) / "open_clip_config.json").is_file():
+            name = f"local-dir:{name}"
+        from ds_clip.export import resolve_pretrained
+        from ds_clip.model import build_model, load_model_cfg
+
+        try:
+            bundle = build_model(name, pretrained=resolve_pretrained(args.pretrained), seed=None)
+        except (RuntimeError, ValueError, FileNotFoundError) as exc:
+            raise EvalError(f"cannot load model {args.model!r}: {exc}") from exc
+    except EvalError as exc:
+        print(f"ds-clip-eval: error: {exc}", file=sys.stderr)
+        return 2
+    model = bundle.model.eval()
+    size = load_model_cfg(name)["vision_cfg"].get("image_size", 224)
+    s = EvalSettings(
+        val_data=args.val_data,
+        val_num_samples=args.val_num_samples,
+        batch_size=args.batch_size,
+        zeroshot_classes=args.zeroshot_classes,
+        seed=args.seed,
+        image_size=size if isinstance(size, int) else size[0],
+        image_key=args.image_key,
+        caption_key=args.caption_key,
+    )
+    metrics = evaluate(
+        lambda image=None, text=None: model(image=image, text=text),
+        s,
+        preprocess=bundle.preprocess_val,
+        tokenizer=bundle.tokenizer,
+    )
+    text = json.dumps(metrics, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = [
+    "EvalError",
+    "EvalSettings",
+    "contrastive_val_loss",
+    "evaluate",
+    "label_from_caption",
+    "load_zeroshot",
+    "main",
+    "report",
+    "retrieval_metrics",
+    "run_on_engine",
+    "zeroshot_accuracy",
+    "zeroshot_classifier",
+]

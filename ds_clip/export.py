@@ -1,0 +1,144 @@
+"""Export a ds_clip checkpoint as an open_clip model: consolidated fp32 weights in open_clip's names and shapes.
+
+    ds-clip-export logs/RUN/checkpoints/step_00001000 OUT     # or logs/RUN (its latest complete checkpoint)
+
+OUT gets ``open_clip_config.json`` ({"model_cfg", "preprocess_cfg"}) and ``open_clip_model.safetensors``:
+
+    open_clip.create_model_and_transforms("local-dir:OUT")                     # any model, loaded strictly
+    open_clip.create_model_and_transforms(NAME, pretrained="OUT/open_clip_model.safetensors")  # a named one
+    ds-clip-train --model local-dir:OUT ...   or   --model NAME --pretrained OUT   (fine-tuning)
+
+ZeRO-1/2/3 checkpoints are consolidated with DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``
+(the fp32 master weights, not the bf16 working copy); ZeRO-0 fp32 keeps the whole model in its
+model-state file. ``logit_scale``/``logit_bias`` (shape [1] inside the engine) get open_clip's 0-dim
+shape back, and the result is loaded strictly into a fresh open_clip model before it is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ds_clip.checkpoint import CheckpointError, read_meta, resolve
+
+WEIGHTS_FILE = "open_clip_model.safetensors"
+CONFIG_FILE = "open_clip_config.json"
+
+
+class ExportError(ValueError):
+    """Bad export input; the message names the path."""
+
+
+def consolidated_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """fp32 weights and buffers of a complete checkpoint folder, in the engine's names (shapes as stored)."""
+    if any(path.glob("*zero_pp_rank_*_optim_states.pt")):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
+    else:
+        files = sorted(path.glob("mp_rank_00_model_states.pt"))
+        if not files:
+            raise CheckpointError(f"{path}: no DeepSpeed model-state file")
+        state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+    return {
+        k.removeprefix("module."): v.detach().float() if v.is_floating_point() else v
+        for k, v in state.items()
+    }
+
+
+def build_open_clip_model(model_cfg: dict, preprocess_cfg: dict | None = None):
+    """A fresh (random) open_clip model from a model config, built by open_clip's own factory."""
+    import tempfile
+
+    import open_clip
+
+    with tempfile.TemporaryDirectory() as tmp:  # an empty local-dir: open_clip builds, loads no weights
+        (Path(tmp) / CONFIG_FILE).write_text(
+            json.dumps({"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg or {}})
+        )
+        return open_clip.create_model(f"local-dir:{tmp}")
+
+
+def to_open_clip(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+    """Reshape to the open_clip model's own shapes (0-dim logit_scale/logit_bias) and load it strictly."""
+    target = model.state_dict()
+    out = {}
+    for k, v in state.items():
+        if k not in target:
+            continue  # non-persistent buffers DeepSpeed saved (open_clip's attn_mask is one)
+        want = target[k]
+        if v.numel() != want.numel():
+            raise CheckpointError(
+                f"{k}: {tuple(v.shape)} in the checkpoint, open_clip expects {tuple(want.shape)}"
+            )
+        out[k] = v.reshape(want.shape).to(want.dtype).contiguous().clone()
+    model.load_state_dict(out, strict=True)  # raises on any missing key
+    return out
+
+
+def export(checkpoint: str, out: str | Path) -> Path:
+    """Write OUT/open_clip_config.json and OUT/open_clip_model.safetensors; return OUT."""
+    from safetensors.torch import save_file
+
+    path = resolve(None, checkpoint)
+    meta = read_meta(path)
+    model_cfg = meta.get("model_cfg")
+    if not model_cfg:
+        raise CheckpointError(
+            f"{path}: the checkpoint records no model_cfg; cannot build the open_clip model"
+        )
+    model = build_open_clip_model(model_cfg, meta.get("preprocess_cfg"))
+    state = to_open_clip(consolidated_state_dict(path), model)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    preprocess_cfg = meta.get("preprocess_cfg") or {}
+    (out / CONFIG_FILE).write_text(
+        json.dumps({"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg}, indent=1)
+    )
+    save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt", "ds_clip_step": str(meta["step"])})
+    return out
+
+
+def resolve_pretrained(pretrained: str | None) -> str | None:
+    """--pretrained may name an exported folder: use its weights file (files pass through unchanged)."""
+    if pretrained is None:
+        return None
+    p = Path(pretrained).expanduser()
+    if p.is_dir():
+        for name in (
+            WEIGHTS_FILE,
+            *(f.name for f in sorted(p.glob("*.safetensors"))),
+            "open_clip_pytorch_model.bin",
+        ):
+            if (p / name).is_file():
+                return str(p / name)
+        raise ExportError(f"--pretrained {pretrained}: no {WEIGHTS_FILE} (or other weights) in that folder")
+    return str(p)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="ds-clip-export",
+        description="Write a ds_clip checkpoint as an open_clip model folder (open_clip_config.json + safetensors).",
+    )
+    p.add_argument(
+        "checkpoint", help="checkpoint folder (checkpoints/step_N), checkpoints folder, or run folder"
+    )
+    p.add_argument("out", help="output folder")
+    args = p.parse_args(argv)
+    try:
+        out = export(args.checkpoint, args.out)
+    except (CheckpointError, ExportError) as exc:
+        print(f"ds-clip-export: error: {str(exc).replace('--resume ', '')}", file=sys.stderr)
+        return 2
+    print(f"wrote {out / CONFIG_FILE} and {out / WEIGHTS_FILE}; load with "
+          f"open_clip.create_model_and_transforms('local-dir:{out}')")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
