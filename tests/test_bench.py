@@ -1,0 +1,105 @@
+"""ds-clip-bench: bad arguments are one-line errors naming the flag; one tiny W=1 run yields every table.
+
+No timing is asserted (speed lives in docs/benchmarks.md); the run checks what the benchmark counts:
+one measurement per mode and timed step, the cache size formula, no loss collectives at W=1, the
+plain-step baseline and its ratios, and the --report path that re-renders saved JSON.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ds_clip import bench
+
+
+def _error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--k", "0"], "--k"),
+        (["--batch-size", "-1"], "--batch-size"),
+        (["--world-sizes", "0"], "--world-sizes"),
+        (["--zero-stages", "4"], "--zero-stages"),
+        (["--steps", "0"], "--steps"),
+        (["--warmup", "-1"], "--warmup"),
+        (["--models", "no-such-model"], "--models"),
+        (["--models", "ds-clip-tiny", "--image-size", "40"], "--image-size"),
+    ],
+)
+def test_bad_arguments_name_the_flag(capsys, argv, flag):
+    err = _error(capsys, argv)
+    assert err.startswith("ds-clip-bench: error:") and flag in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")
+def test_cuda_without_cuda_is_a_clear_error(capsys):
+    err = _error(capsys, ["--device", "cuda"])
+    assert "--device cuda" in err and "CUDA is not available" in err
+
+
+def test_reduced_resolution_config_is_registered():
+    import open_clip
+
+    name = bench.resolve_model("ds-clip-tiny", 32)
+    assert name == "ds-clip-tiny-32px"
+    assert open_clip.get_model_config(name)["vision_cfg"]["image_size"] == 32
+    assert bench.resolve_model("ds-clip-tiny", None) == "ds-clip-tiny"
+
+
+def test_theory_matches_the_readme():
+    assert bench.theory(1, False) == 1.0
+    assert bench.theory(8, False) == pytest.approx((4 * 8 - 1) / (3 * 8))
+    assert bench.theory(8, True) == pytest.approx((5 * 8 - 1) / (4 * 8))
+
+
+@pytest.mark.slow
+def test_tiny_run_w1_measures_every_mode_and_reports(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["--models", "ds-clip-tiny", "--image-size", "32", "--batch-size", "2", "--k", "1", "2",
+            "--steps", "1", "--warmup", "0", "--json", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| ds-clip-tiny-32px" in printed
+
+    data = json.loads(out.read_text())
+    assert data["argv"] == argv and "loadavg" in data["machine"]
+    rows = [bench.Measurement(**r) for r in data["measurements"]]
+    assert sorted((r.mode, r.accum_freq) for r in rows) == [("cached", 1), ("cached", 2), ("plain", 1)]
+    for r in rows:
+        assert r.world_size == 1 and r.zero_stage == 0 and r.step_s > 0 and r.peak_mib >= r.base_mib > 0
+        assert r.loss_collectives == {}  # one rank: the loss gathers nothing
+        assert r.loss is not None and r.loss == r.loss  # finite-looking, not NaN
+    by = {(r.mode, r.accum_freq): r for r in rows}
+    d, m = 64, 2  # ds-clip-tiny's embed_dim, --batch-size
+    assert by[("plain", 1)].cache_bytes == 0
+    assert by[("cached", 2)].cache_bytes == 2 * 2 * m * d * 4 + 2 * 1 * m * d * 4 + 5056
+    assert by[("cached", 2)].samples == 4 and by[("plain", 1)].samples == 2
+
+    agg = {(r["mode"], r["k"]): r for r in bench.aggregate(rows)}
+    assert agg[("plain", 1)]["vs_plain"] == 1.0
+    assert agg[("cached", 2)]["theory"] == pytest.approx(7 / 6)
+    assert "peak_vs_k1" in agg[("cached", 2)]
+
+    img = tmp_path / "img"
+    assert bench.main(["--report", str(out), "--img-dir", str(img)]) == 0
+    assert "| ds-clip-tiny-32px" in capsys.readouterr().out
+    assert sorted(p.name for p in img.glob("*.png")) == [
+        "accum_compute_overhead.png",
+        "accum_peak_memory.png",
+        "accum_time_per_sample.png",
+    ]
+
+
+def test_report_of_a_missing_file_is_a_clear_error(capsys, tmp_path):
+    err = _error(capsys, ["--report", str(tmp_path / "nope.json")])
+    assert "--report" in err and "nope.json" in err
