@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_clip import faults
+
 logger = logging.getLogger("ds_clip")
 
 POINTER = "latest_complete"
@@ -44,6 +46,43 @@ UNIVERSAL_PREFIX = "universal_from_"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, partial, unreadable or from an incompatible run."""
+
+
+def _deepspeed_safe_globals() -> list:
+    # The few non-tensor classes DeepSpeed 0.19.x pickles into its checkpoint files; anything else
+    # would need arbitrary unpickling and is refused.
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def safe_load(path: str | Path, flag: str = "--resume") -> Any:
+    """torch.load with ``weights_only=True`` (tensors, containers and DeepSpeed's own few types).
+
+    A file that needs arbitrary unpickling could run code on load: refuse it with an explanation.
+    """
+    import pickle
+
+    try:
+        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"{flag}: {path} needs arbitrary unpickling to load (torch.load weights_only=True refused it: "
+            f"{first[:200]}); ds_clip only loads tensors and DeepSpeed's own types from files, because "
+            "unpickling can run code. Re-save it as a plain state dict or safetensors from a source you trust."
+        ) from exc
+
+
+def install_safe_loading(engine) -> None:
+    """Make DeepSpeed's own checkpoint reads go through ``safe_load`` (it passes weights_only=False)."""
+    ce = engine.checkpoint_engine
+    if ce is not None and not getattr(ce, "_ds_clip_safe", False):
+        ce.load = lambda path, map_location=None: safe_load(path)
+        ce._ds_clip_safe = True
 
 
 def _rank() -> int:
@@ -149,6 +188,7 @@ def save(
         "param_shapes": param_shapes(engine.module),
         "settings": settings,
     }
+    faults.maybe_kill("kill-in-save", step, _rank())
     # Sync point: every rank's files are closed before rank 0 lists them and marks the folder complete.
     _barrier()
     if _rank() == 0:
@@ -162,6 +202,50 @@ def save(
             prune(ckpt_root, keep)
     _barrier()
     return path
+
+
+def remove_partial(ckpt_root: Path) -> list[Path]:
+    """Delete checkpoint folders without the COMPLETE marker (a save that was cut short). Rank 0 only."""
+    removed = []
+    if ckpt_root.is_dir():
+        for p in sorted(ckpt_root.iterdir()):
+            if p.is_dir() and _step_of(p) is not None and not (p / MARKER).exists():
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
+
+
+def estimate_bytes(num_params: int, precision: str) -> int:
+    """One checkpoint: working weights + fp32 master + two AdamW moments (summed over ranks), +10%."""
+    working = 4 if precision == "fp32" else 2
+    master = 0 if precision == "fp32" else 4
+    return int(num_params * (working + master + 8) * 1.1) + (1 << 20)
+
+
+def check_output_space(run_dir: Path, num_params: int, precision: str) -> None:
+    """Refuse to start when the output disk cannot hold one checkpoint (every rank checks its view)."""
+    need = estimate_bytes(num_params, precision)
+    free = shutil.disk_usage(run_dir if run_dir.exists() else run_dir.parent).free
+    if free < need:
+        raise OutputError(
+            f"--logs {run_dir.parent}: {free / 2**20:.1f} MiB free, one checkpoint of this model needs about "
+            f"{need / 2**20:.1f} MiB; free some space or point --logs elsewhere"
+        )
+
+
+def check_writable(logs: Path) -> None:
+    """--logs must be a folder we can create and write into, before any process group starts."""
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+        probe = logs / f".ds_clip_write_test.{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise OutputError(f"--logs {logs} is not a writable folder: {exc.strerror or exc}") from exc
+
+
+class OutputError(ValueError):
+    """The output folder cannot take the run (not writable, too little space)."""
 
 
 def _step_of(folder: Path) -> int | None:
@@ -281,6 +365,7 @@ def load(
     ``shapes`` (param_shapes of the model before deepspeed.initialize) and ``global_batch`` are checked
     against the checkpoint first, for a clear error instead of DeepSpeed's size mismatch.
     """
+    install_safe_loading(engine)
     flag = f"--resume {resume}"
     path = resolve(run_dir, resume)
     meta = read_meta(path)
@@ -402,7 +487,7 @@ def _load_other_shape(engine, path: Path, meta: dict[str, Any], stage: int, flag
 def _load_common(engine, path: Path) -> None:
     """What is not per parameter: LR scheduler, engine counters, module buffers (BatchNorm statistics)."""
     files = sorted(path.glob("*mp_rank_00_model_states.pt"))
-    state = torch.load(files[0], map_location="cpu", weights_only=False)
+    state = safe_load(files[0])
     if engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
         sched = engine.lr_scheduler
         sched.load_state_dict(state["lr_scheduler"])
@@ -441,7 +526,7 @@ def _load_resharded(engine, zero_dir: Path) -> None:
             f = folder / f"{key}.pt"
             if not f.exists():
                 continue
-            t = torch.load(f, map_location="cpu", weights_only=False)
+            t = safe_load(f)
             value = (t["param"] if isinstance(t, dict) else t).float().flatten()
             # This rank holds elements [rank*part, (rank+1)*part) of the zero-padded flat parameter.
             part, _ = opt._get_fp32_opt_state_partition(
@@ -451,10 +536,10 @@ def _load_resharded(engine, zero_dir: Path) -> None:
             if key == "fp32":
                 _copy_slice(p.ds_tensor.data, value, rank)
         if step_value is None and (folder / "step.pt").exists():
-            s = torch.load(folder / "step.pt", map_location="cpu", weights_only=False)
+            s = safe_load(folder / "step.pt")
             step_value = s["param"] if isinstance(s, dict) else s
     if step_value is None and (zero_dir / "optimizer_state.pt").exists():  # ZeRO-3 sources keep it here
-        common = torch.load(zero_dir / "optimizer_state.pt", map_location="cpu", weights_only=False)
+        common = safe_load(zero_dir / "optimizer_state.pt")
         states = common.get("optimizer_state_dict", {}).get("state", {})
         step_value = next((st["step"] for st in states.values() if "step" in st), None)
     if step_value is None:

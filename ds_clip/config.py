@@ -23,7 +23,7 @@ from typing import Any
 
 BUILTIN_MODELS = ("ds-clip-tiny", "ds-clip-tiny-siglip")
 PRECISIONS = ("fp32", "bf16", "fp16")
-LOSS_IMPLS = ("dense", "tiled")
+LOSS_IMPLS = ("auto", "dense", "tiled")
 DATASET_TYPES = ("synthetic", "webdataset")
 REPORTERS = ("tensorboard", "csv", "wandb")
 LOCAL_DIR_PREFIX = "local-dir:"
@@ -110,8 +110,10 @@ class TrainSettings:
     """All-gather features with a backward that reduces, so every rank gets the full-batch gradient."""
     siglip: bool = False
     """Sigmoid (SigLIP) loss instead of the softmax CLIP loss."""
-    loss_impl: str = "dense"
-    """"dense" (whole logit matrix in memory) or "tiled" (blocks of the logit matrix, less memory)."""
+    loss_impl: str = "auto"
+    """"dense" (whole logit matrix in memory), "tiled" (blocks of the logit matrix, O(tile*N) memory) or
+    "auto": tiled from a global batch of TILED_FROM_N pairs on, where it is also the faster one
+    (docs/loss.md), dense below."""
     seed: int = 0
     """Random seed; each rank derives its own from it."""
 
@@ -128,6 +130,11 @@ class TrainSettings:
     """Save a DeepSpeed checkpoint every this many optimizer steps (steps); None: only at the end."""
     val_every_n_steps: int | None = None
     """Evaluate on val_data every this many optimizer steps (steps); None: only at the end."""
+    max_skipped_steps: int = 10
+    """Stop with an error after this many consecutive optimizer steps whose loss or gradient was not
+    finite (each one skipped on every rank); the last complete checkpoint is kept."""
+    dist_timeout: float = 1800.0
+    """Seconds a collective may wait for the other ranks before this rank gives up (a dead rank)."""
     keep_checkpoints: int | None = None
     """Keep only the newest N complete checkpoints (older ones are deleted after a newer one is complete);
     None: keep all."""
@@ -281,7 +288,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", metavar="N", type=int, default=d.seed, help="random seed")
 
     g = p.add_argument_group("logging, checkpoints, evaluation")
-    g.add_argument("--logs", metavar="DIR", default=d.logs, help="folder holding one sub-folder per run")
+    # "--log-dir" because torchrun (torch >= 2.x) takes "--logs" for a prefix of its own "--logs-specs".
+    g.add_argument(
+        "--logs",
+        "--log-dir",
+        dest="logs",
+        metavar="DIR",
+        default=d.logs,
+        help="folder holding one sub-folder per run",
+    )
     g.add_argument(
         "--name", metavar="NAME", default=None, help="run folder name; default: date-time, model, m, k"
     )
@@ -305,6 +320,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=_optional_int,
         default=None,
         help="evaluation cadence (steps)",
+    )
+    g.add_argument(
+        "--max-skipped-steps",
+        metavar="N",
+        type=int,
+        default=d.max_skipped_steps,
+        help="stop after N consecutive non-finite steps, each skipped on every rank (steps)",
+    )
+    g.add_argument(
+        "--dist-timeout",
+        metavar="SECONDS",
+        type=float,
+        default=d.dist_timeout,
+        help="how long a collective waits for the other ranks before failing (seconds)",
     )
     g.add_argument(
         "--keep-checkpoints",
@@ -539,6 +568,8 @@ def validate(s: TrainSettings) -> None:
         _check_shards("--train-data", s.train_data)
     if s.val_data and s.val_data != "synthetic":
         _check_shards("--val-data", s.val_data)
+    _need(s.max_skipped_steps >= 1, f"--max-skipped-steps must be >= 1, got {s.max_skipped_steps}")
+    _need(s.dist_timeout > 0, f"--dist-timeout must be > 0 seconds, got {s.dist_timeout}")
     _need(
         s.keep_checkpoints is None or s.keep_checkpoints >= 1,
         f"--keep-checkpoints must be >= 1, got {s.keep_checkpoints}",

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ds_clip.checkpoint import CheckpointError, read_meta, resolve
+from ds_clip.checkpoint import CheckpointError, read_meta, resolve, safe_load
 
 WEIGHTS_FILE = "open_clip_model.safetensors"
 CONFIG_FILE = "open_clip_config.json"
@@ -43,7 +43,7 @@ def consolidated_state_dict(path: Path) -> dict[str, torch.Tensor]:
         files = sorted(path.glob("mp_rank_00_model_states.pt"))
         if not files:
             raise CheckpointError(f"{path}: no DeepSpeed model-state file")
-        state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+        state = safe_load(files[0], flag="checkpoint")["module"]
     return {
         k.removeprefix("module."): v.detach().float() if v.is_floating_point() else v
         for k, v in state.items()

@@ -36,6 +36,8 @@ def format_line(m: dict[str, Any]) -> str:
     ]
     if m.get("skipped_samples"):
         parts.append(f"skipped {m['skipped_samples']}")
+    if m.get("skipped_steps"):
+        parts.append(f"skipped_steps {m['skipped_steps']}")
     return " | ".join(parts)
 
 

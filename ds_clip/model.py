@@ -29,6 +29,18 @@ open_clip.add_model_config(BUILTIN_CONFIG_DIR)
 BUILTIN_MODELS = sorted(p.stem for p in BUILTIN_CONFIG_DIR.glob("*.json"))
 
 
+class ModelError(ValueError):
+    """A model name or weight file that cannot be used (names the flag)."""
+
+
+def _unsafe_weights(path: str) -> ModelError:
+    return ModelError(
+        f"--pretrained {path} needs arbitrary unpickling to load (torch.load weights_only=True refused it); "
+        "ds_clip only loads tensors from weight files, because unpickling can run code. Save a plain state "
+        "dict (torch.save(model.state_dict())) or safetensors instead."
+    )
+
+
 @dataclass
 class ModelBundle:
     """An open_clip model with the tokenizer and transforms that belong to it."""
@@ -69,7 +81,12 @@ def build_model(
     kwargs: dict[str, Any] = {"output_dict": True}
     if pretrained and not name.startswith("local-dir:"):
         kwargs["pretrained"] = pretrained
-    model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(name, **kwargs)
+    import pickle
+
+    try:
+        model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(name, **kwargs)
+    except pickle.UnpicklingError as exc:
+        raise _unsafe_weights(pretrained) from exc
     if pretrained and name.startswith("local-dir:"):
         # local-dir: loads the weights found in the folder itself; an extra file is loaded on top.
         load_open_clip_weights(model, pretrained)
@@ -86,7 +103,12 @@ def load_open_clip_weights(model: nn.Module, path: str) -> None:
 
         state = load_file(path)
     else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        import pickle
+
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise _unsafe_weights(path) from exc
         state = state.get("state_dict", state)
     state = {k.removeprefix("module."): v for k, v in state.items()}
     model.load_state_dict(state, strict=True)

@@ -21,21 +21,43 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ds-clip-train: error: {exc}", file=sys.stderr)
         return 2
     # Heavy imports (torch, deepspeed, open_clip) only after the settings are known to be good.
-    from ds_clip.checkpoint import CheckpointError
+    import torch.distributed as dist
+
+    from ds_clip.checkpoint import CheckpointError, OutputError
     from ds_clip.data import DataError
+    from ds_clip.export import ExportError
     from ds_clip.loss import LossConfigError
+    from ds_clip.model import ModelError
     from ds_clip.preflight import PreflightError
-    from ds_clip.trainer import train
+    from ds_clip.trainer import NonFiniteError, train
 
     try:
         train(settings)
-    except (SettingsError, DataError, LossConfigError) as exc:
+    except (SettingsError, DataError, LossConfigError, ModelError, OutputError, ExportError) as exc:
         print(f"ds-clip-train: error: {exc}", file=sys.stderr)
         return 2
-    except (CheckpointError, PreflightError) as exc:
+    except (CheckpointError, PreflightError, NonFiniteError) as exc:
         print(f"ds-clip-train: error: {exc}", file=sys.stderr)
         return 1
+    except (dist.DistError, RuntimeError) as exc:
+        # A collective that failed: the peer closed the connection (a rank died) or --dist-timeout passed.
+        if not isinstance(exc, dist.DistError) and not _looks_like_lost_peer(str(exc)):
+            raise
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        print(
+            f"ds-clip-train: error: lost contact with another rank ({first}): a rank died, the network failed "
+            "or --dist-timeout passed; relaunch with --resume latest to continue from the last complete checkpoint",
+            file=sys.stderr,
+        )
+        return 1
     return 0
+
+
+def _looks_like_lost_peer(message: str) -> bool:
+    m = message.lower()
+    return any(
+        t in m for t in ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout")
+    )
 
 
 if __name__ == "__main__":

@@ -15,15 +15,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ds_clip import checkpoint, evaluate
+from ds_clip import checkpoint, evaluate, faults
 from ds_clip.config import TrainSettings, settings_to_dict
 from ds_clip.data import DataSettings, build_train_data
 from ds_clip.distributed import DistInfo, all_reduce_mean, init_distributed
 from ds_clip.ds_config import resolve_ds_config, write_run_files
 from ds_clip.equivalence import micro_batch_seed
-from ds_clip.loss import ContrastiveLoss, LossSpec
+from ds_clip.loss import ContrastiveLoss, LossSpec, resolve_impl
 from ds_clip.metrics import MetricsWriter, peak_memory_mib
 from ds_clip.model import build_model, param_groups, prepare_for_deepspeed
+from ds_clip.preemption import StopRequest
 from ds_clip.schedule import build_scheduler
 from ds_clip.step import cached_step
 
@@ -33,6 +34,10 @@ logger = logging.getLogger("ds_clip")
 LOGIT_SCALE_MAX = math.log(100)
 # A synthetic run without --train-num-samples trains this many pairs per epoch.
 DEFAULT_SYNTHETIC_SAMPLES = 25_600
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive optimizer steps with a non-finite loss or gradient."""
 
 
 @dataclass
@@ -80,7 +85,9 @@ def clamp_logit_scale(engine) -> None:
 def train(s: TrainSettings) -> TrainSummary:
     import deepspeed
 
-    info = init_distributed()
+    # Before any process group: an unusable output folder is a one-line error, not a crash at save time.
+    checkpoint.check_writable(Path(s.logs))
+    info = init_distributed(timeout_s=s.dist_timeout)
     s.name = _broadcast_name(s.name, info)
     run_dir = Path(s.logs) / s.name
     ds_json = resolve_ds_config(s, info.world_size)
@@ -104,6 +111,7 @@ def train(s: TrainSettings) -> TrainSummary:
     model = bundle.model
     prepare_for_deepspeed(model)
     model_shapes = checkpoint.param_shapes(model)  # checked against a checkpoint before DeepSpeed loads it
+    checkpoint.check_output_space(run_dir, sum(p.numel() for p in model.parameters()), s.precision)
 
     m, k, w = s.batch_size, s.accum_freq, info.world_size
     global_batch = w * k * m
@@ -137,7 +145,10 @@ def train(s: TrainSettings) -> TrainSummary:
     )
     loss_fn = ContrastiveLoss(
         LossSpec(
-            siglip=s.siglip, local_loss=s.local_loss, gather_with_grad=s.gather_with_grad, impl=s.loss_impl
+            siglip=s.siglip,
+            local_loss=s.local_loss,
+            gather_with_grad=s.gather_with_grad,
+            impl=resolve_impl(s.loss_impl, global_batch),
         ),
         rank=info.rank,
         world_size=w,
@@ -193,6 +204,9 @@ def train(s: TrainSettings) -> TrainSummary:
 
     step, epoch, start_in_epoch = 0, 0, 0
     if s.resume:
+        if info.is_main:
+            for p in checkpoint.remove_partial(run_dir / "checkpoints"):
+                logger.warning("removed partial checkpoint %s (a save that was cut short)", p)
         state = checkpoint.load(engine, run_dir, s.resume, shapes=model_shapes, global_batch=global_batch)
         step = state["step"]
         data.load_state_dict(state["data"])
@@ -208,6 +222,8 @@ def train(s: TrainSettings) -> TrainSummary:
             )
     # ---- end of checkpoint/evaluation set-up
 
+    if info.is_main and info.hosts is not None:
+        logger.info("%s", info.hosts.describe())
     if info.is_main:
         logger.info(
             "world size %d, micro-batch m=%d, accum-freq k=%d: global batch N=W*k*m=%d pairs per optimizer "
@@ -218,6 +234,8 @@ def train(s: TrainSettings) -> TrainSummary:
         MetricsWriter(run_dir, s.report_to, total_steps, step, settings_to_dict(s)) if info.is_main else None
     )
     engine.train()
+    stop = StopRequest().install()
+    consecutive_skips = skipped_steps = 0
     last_loss = float("nan")
     window_samples, window_time, window_data, window_start = 0, 0.0, 0.0, time.perf_counter()
     try:
@@ -227,8 +245,35 @@ def train(s: TrainSettings) -> TrainSummary:
                 data_time = time.perf_counter() - t_data
                 t_step = time.perf_counter()
                 seeds = [micro_batch_seed(s.seed, step, g) for g in batch.micro_batch_ids]
-                result = cached_step(engine, batch.micro_batches, loss_fn, micro_batch_seeds=seeds)
-                clamp_logit_scale(engine)
+                micro_batches = batch.micro_batches
+                faults.maybe_kill("kill", step, info.rank)
+                if faults.active("nan", step, info.rank):
+                    micro_batches = [
+                        (torch.full_like(micro_batches[0][0], float("nan")), micro_batches[0][1])
+                    ]
+                    micro_batches += batch.micro_batches[1:]
+                result = cached_step(engine, micro_batches, loss_fn, micro_batch_seeds=seeds)
+                if result.skipped:
+                    consecutive_skips += 1
+                    skipped_steps += 1
+                    if info.is_main:
+                        logger.warning(
+                            "step %d: non-finite loss or gradient on at least one rank: update skipped on every "
+                            "rank (%d in a row, %d in total)",
+                            step + 1,
+                            consecutive_skips,
+                            skipped_steps,
+                        )
+                    if consecutive_skips >= s.max_skipped_steps:
+                        raise NonFiniteError(
+                            f"{consecutive_skips} consecutive optimizer steps had a non-finite loss or gradient "
+                            f"(--max-skipped-steps {s.max_skipped_steps}); stopped without saving them. The last "
+                            f"complete checkpoint is kept in {run_dir / 'checkpoints'}: lower --lr or check the "
+                            "data, then relaunch with --resume latest"
+                        )
+                else:
+                    consecutive_skips = 0
+                    clamp_logit_scale(engine)
                 step += 1
                 step_time = time.perf_counter() - t_step
                 window_samples += global_batch
@@ -258,10 +303,17 @@ def train(s: TrainSettings) -> TrainSummary:
                                 "step_time_s": window_time / steps_in_window,
                                 "peak_mem_mib": peak_memory_mib(),
                                 "skipped_samples": int(skipped),
+                                "skipped_steps": skipped_steps,
                             }
                         )
                     window_samples, window_time, window_data, window_start = 0, 0.0, 0.0, time.perf_counter()
-                if s.save_every_n_steps and step % s.save_every_n_steps == 0 and step < total_steps:
+                # A skipped step changed nothing worth a checkpoint: the last one stays the last good one.
+                if (
+                    s.save_every_n_steps
+                    and step % s.save_every_n_steps == 0
+                    and step < total_steps
+                    and not result.skipped
+                ):
                     save(step)
                 if (
                     val_settings
@@ -272,12 +324,25 @@ def train(s: TrainSettings) -> TrainSummary:
                     run_eval(step)
                 if step >= total_steps:
                     break
+                if stop.should_stop():  # every rank, every step: they all save the same step together
+                    save(step)
+                    if info.is_main:
+                        logger.info(
+                            "received %s: saved checkpoint %s at step %d; resume with the same command plus "
+                            "--resume latest --name %s",
+                            stop.signal_name,
+                            checkpoint.tag_for(step),
+                            step,
+                            s.name,
+                        )
+                    return TrainSummary(step, step * global_batch, last_loss, run_dir)
                 t_data = time.perf_counter()
             epoch, start_in_epoch = epoch + 1, 0
         if val_settings:
             run_eval(step)
         save(step)
     finally:
+        stop.uninstall()
         if writer is not None:
             writer.close()
     if info.is_main:

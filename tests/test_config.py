@@ -56,7 +56,7 @@ def test_defaults_parse_and_resolve_to_zero1_fp32():
         "fp32",
         "synthetic",
     )
-    assert s.loss_impl == "dense" and s.report_to == [] and s.local_rank == -1
+    assert s.loss_impl == "auto" and s.report_to == [] and s.local_rank == -1
     assert s.name.endswith("-model_ds-clip-tiny-m_8-k_1") and s.name[:4].isdigit()
     cfg = resolve_ds_config(s, world_size=4)
     assert cfg["zero_optimization"]["stage"] == 1  # default preset zero1_<precision>

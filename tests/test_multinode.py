@@ -300,6 +300,7 @@ def test_deepspeed_hostfile_trains_on_two_hosts(net, model_dir, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "check_hosts.sh: all 2 hosts" in out
+    assert "4 ranks on 2 host(s) reached the master" in out  # the trainer's own pre-flight
     # pdsh prefixes each line with the host that printed it: one launcher per host, 2 ranks each.
     assert re.search(r"^dsnode1: .*node_rank=0$", out, re.M) and re.search(
         r"^dsnode2: .*node_rank=1$", out, re.M
@@ -338,6 +339,7 @@ def test_mpirun_trains_on_two_hosts(net, model_dir, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "check_hosts.sh: all 2 hosts" in out
+    assert "4 ranks on 2 host(s) reached the master" in out  # the trainer's own pre-flight
     for host, ranks in (("dsnode1", (0, 1)), ("dsnode2", (2, 3))):
         block = re.search(rf"Data for node: {host}\s.*?Num procs: 2(.*?)(?:Data for node|====)", out, re.S)
         assert block and re.findall(r"Process rank: (\d+)", block.group(1)) == [str(r) for r in ranks], out[
