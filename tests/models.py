@@ -5,6 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# For runs of the real CLI: the built-in captions go through open_clip's SimpleTokenizer, so the text
+# tower needs its full vocabulary.
+E2E_MODEL = {
+    "embed_dim": 16,
+    "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 16, "head_width": 16},
+    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+}
+
 TEXT = {"context_length": 8, "vocab_size": 64, "width": 32, "heads": 2, "layers": 1}
 
 CONFIGS: dict[str, dict] = {

@@ -13,15 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.models import E2E_MODEL
+
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
-# The synthetic captions go through open_clip's SimpleTokenizer, so the text tower needs its vocab.
-E2E_MODEL = {
-    "embed_dim": 16,
-    "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 16, "head_width": 16},
-    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
-}
 M, K, W, STEPS = 4, 2, 2, 4
 
 

@@ -32,6 +32,7 @@ from ds_clip.preflight import (
     rendezvous_from_env,
     timeout_from_env,
 )
+from tests.models import E2E_MODEL
 from tests.netns_hosts import (
     SUBNET,
     NamespacesForbidden,
@@ -44,12 +45,6 @@ from tests.netns_hosts import (
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
-# Same tiny model as tests/test_e2e.py (open_clip's tokenizer needs the full vocab).
-E2E_MODEL = {
-    "embed_dim": 16,
-    "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 16, "head_width": 16},
-    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
-}
 M, K, STEPS, SLOTS = 4, 2, 3, 2
 W = 2 * SLOTS
 # Short enough that a failure test ends in seconds, long enough for 4 ranks to start on 2 busy cores.
