@@ -79,7 +79,8 @@ def build_model(
     if seed is not None:
         torch.manual_seed(seed)
     kwargs: dict[str, Any] = {"output_dict": True}
-    if pretrained and not name.startswith("local-dir:"):
+    if pretrained:
+        # (a local-dir: model loads the weights in its own folder; config refuses --pretrained with it)
         kwargs["pretrained"] = pretrained
     import pickle
 
@@ -87,31 +88,10 @@ def build_model(
         model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(name, **kwargs)
     except pickle.UnpicklingError as exc:
         raise _unsafe_weights(pretrained) from exc
-    if pretrained and name.startswith("local-dir:"):
-        # local-dir: loads the weights found in the folder itself; an extra file is loaded on top.
-        load_open_clip_weights(model, pretrained)
     if grad_checkpointing:
         model.set_grad_checkpointing(True)
     tokenizer = open_clip.get_tokenizer(name)
     return ModelBundle(model, tokenizer, preprocess_train, preprocess_val, name, load_model_cfg(name))
-
-
-def load_open_clip_weights(model: nn.Module, path: str) -> None:
-    """Load an open_clip state dict (safetensors, or a torch file read with ``weights_only``)."""
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        state = load_file(path)
-    else:
-        import pickle
-
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as exc:
-            raise _unsafe_weights(path) from exc
-        state = state.get("state_dict", state)
-    state = {k.removeprefix("module."): v for k, v in state.items()}
-    model.load_state_dict(state, strict=True)
 
 
 def prepare_for_deepspeed(model: nn.Module) -> list[str]:

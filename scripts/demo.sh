@@ -6,6 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
+# DeepSpeed JIT-builds a comm op into the torch extensions cache; one cache per venv, or two checkouts
+# rebuild it back and forth.
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec deepspeed --num_gpus 2 --module ds_clip.train \
   --model ds-clip-tiny --dataset-type synthetic --batch-size 16 --accum-freq 4 \

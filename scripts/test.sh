@@ -6,6 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
+# DeepSpeed JIT-builds a comm op into the torch extensions cache; one cache per venv, or two checkouts
+# rebuild it back and forth.
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
 ruff check ds_clip tests benchmarks scripts
 ruff format --check ds_clip tests benchmarks scripts
