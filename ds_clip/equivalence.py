@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ds_clip.loss import ContrastiveLoss, LossSpec
+from ds_clip.step import micro_batch_seed
 
 
 @dataclass
@@ -81,10 +82,6 @@ class RunResult:
             if size > 1024
         )
         return reduced / (4 * self.num_params)
-
-
-def micro_batch_seed(seed: int, step: int, global_micro_batch: int) -> int:
-    return ((seed * 1_000_003 + step) * 1_000_003 + global_micro_batch) % (2**62)
 
 
 def generated_pairs(

@@ -48,6 +48,12 @@ class StepResult:
     """True when a non-finite loss or embedding gradient on any rank made every rank skip the update."""
 
 
+def micro_batch_seed(seed: int, step: int, global_micro_batch: int) -> int:
+    """RNG seed of one global micro-batch: the same pairs get the same dropout masks in step ``step``
+    whatever the (W, k) split, because the trainer assigns data and seeds by global index."""
+    return ((seed * 1_000_003 + step) * 1_000_003 + global_micro_batch) % (2**62)
+
+
 def input_dtype(engine) -> torch.dtype:
     if engine.bfloat16_enabled():
         return torch.bfloat16

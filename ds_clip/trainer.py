@@ -20,13 +20,12 @@ from ds_clip.config import TrainSettings, settings_to_dict
 from ds_clip.data import DataSettings, build_train_data
 from ds_clip.distributed import DistInfo, all_reduce_mean, init_distributed
 from ds_clip.ds_config import resolve_ds_config, write_run_files
-from ds_clip.equivalence import micro_batch_seed
 from ds_clip.loss import ContrastiveLoss, LossSpec, resolve_impl
 from ds_clip.metrics import MetricsWriter, peak_memory_mib
 from ds_clip.model import build_model, param_groups, prepare_for_deepspeed
 from ds_clip.preemption import StopRequest
 from ds_clip.schedule import build_scheduler
-from ds_clip.step import cached_step
+from ds_clip.step import cached_step, micro_batch_seed
 
 logger = logging.getLogger("ds_clip")
 
