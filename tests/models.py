@@ -15,31 +15,26 @@ E2E_MODEL = {
 
 TEXT = {"context_length": 8, "vocab_size": 64, "width": 32, "heads": 2, "layers": 1}
 
+VIT_VISION = {
+    "image_size": 16,
+    "layers": 1,
+    "width": 32,
+    "patch_size": 8,
+    "head_width": 16,
+    "patch_dropout": 0.25,
+}
+
 CONFIGS: dict[str, dict] = {
     # native open_clip ViT with FLIP-style patch dropout (draws from the CPU generator)
     "vit": {
         "embed_dim": 16,
-        "vision_cfg": {
-            "image_size": 16,
-            "layers": 1,
-            "width": 32,
-            "patch_size": 8,
-            "head_width": 16,
-            "patch_dropout": 0.25,
-        },
+        "vision_cfg": VIT_VISION,
         "text_cfg": TEXT,
     },
     "vit_siglip": {
         "embed_dim": 16,
         "init_logit_bias": -10.0,
-        "vision_cfg": {
-            "image_size": 16,
-            "layers": 1,
-            "width": 32,
-            "patch_size": 8,
-            "head_width": 16,
-            "patch_dropout": 0.25,
-        },
+        "vision_cfg": VIT_VISION,
         "text_cfg": TEXT,
     },
     # timm tower with nn.Dropout (head) and DropPath (stochastic depth)
