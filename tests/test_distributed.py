@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from ds_clip import distributed
@@ -16,26 +18,25 @@ def test_first_slurm_host(nodelist, host):
     assert distributed._first_slurm_host(nodelist) == host
 
 
+def _isolated_env(monkeypatch, **env: str) -> dict[str, str]:
+    # _slurm_to_env writes os.environ; give it a private one so nothing leaks into later tests.
+    fake = dict(env)
+    monkeypatch.setattr(os, "environ", fake)
+    return fake
+
+
 def test_srun_environment_becomes_torch_environment(monkeypatch):
     """srun sets only SLURM_*; ds_clip maps them to RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/PORT."""
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("SLURM_PROCID", "5")
-    monkeypatch.setenv("SLURM_NTASKS", "8")
-    monkeypatch.setenv("SLURM_LOCALID", "1")
-    monkeypatch.setenv("SLURM_STEP_NODELIST", "gpu[03-04]")
+    env = _isolated_env(
+        monkeypatch, SLURM_PROCID="5", SLURM_NTASKS="8", SLURM_LOCALID="1", SLURM_STEP_NODELIST="gpu[03-04]"
+    )
     distributed._slurm_to_env()
-    import os
-
-    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("5", "8", "1")
-    assert os.environ["MASTER_ADDR"] == "gpu03" and os.environ["MASTER_PORT"] == "29500"
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("5", "8", "1")
+    assert env["MASTER_ADDR"] == "gpu03" and env["MASTER_PORT"] == "29500"
 
 
 def test_launcher_environment_wins_over_slurm(monkeypatch):
     """Under torchrun/deepspeed inside a SLURM allocation, their RANK is kept."""
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("SLURM_PROCID", "3")
+    env = _isolated_env(monkeypatch, RANK="0", SLURM_PROCID="3", SLURM_NTASKS="8")
     distributed._slurm_to_env()
-    import os
-
-    assert os.environ["RANK"] == "0"
+    assert env["RANK"] == "0" and "MASTER_ADDR" not in env
