@@ -123,6 +123,7 @@ def cached_step(
     dtype = input_dtype(engine)
     device = engine.device
     batches = [(i.to(device=device, dtype=dtype), t.to(device=device)) for i, t in micro_batches]
+    sizes = [b[0].shape[0] for b in batches]
 
     def seed(j: int) -> None:
         if micro_batch_seeds is not None:
@@ -165,11 +166,10 @@ def cached_step(
         return StepResult(
             loss=torch.tensor(float("nan")),
             logit_scale=scale_out.detach().float().reshape(()),
-            local_samples=sum(b[0].shape[0] for b in batches),
+            local_samples=sum(sizes),
             micro_batches=k,
             skipped=True,
         )
-    sizes = [b[0].shape[0] for b in batches]
     g_images = (grads[0] * result.encoder_grad_coef).split(sizes)
     g_texts = (grads[1] * result.encoder_grad_coef).split(sizes)
     g_scalars = [g * result.scalar_grad_coef for g in grads[2:]]

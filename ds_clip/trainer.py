@@ -115,6 +115,7 @@ def train(s: TrainSettings) -> TrainSummary:
     m, k, w = s.batch_size, s.accum_freq, info.world_size
     global_batch = w * k * m
     image_size = bundle.model_cfg["vision_cfg"].get("image_size", 224)
+    image_px = image_size if isinstance(image_size, int) else image_size[0]  # open_clip allows (h, w)
     data = build_train_data(
         DataSettings(
             dataset_type=s.dataset_type,
@@ -126,7 +127,7 @@ def train(s: TrainSettings) -> TrainSummary:
             caption_key=s.caption_key,
             workers=s.workers,
             seed=s.seed,
-            synthetic_image_size=image_size if isinstance(image_size, int) else image_size[0],
+            synthetic_image_size=image_px,
         ),
         preprocess=bundle.preprocess_train,
         tokenizer=bundle.tokenizer,
@@ -185,7 +186,7 @@ def train(s: TrainSettings) -> TrainSummary:
             batch_size=s.batch_size,
             zeroshot_classes=s.zeroshot_classes,
             seed=s.seed,
-            image_size=image_size if isinstance(image_size, int) else image_size[0],
+            image_size=image_px,
             image_key=s.image_key,
             caption_key=s.caption_key,
         )
