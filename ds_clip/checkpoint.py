@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ds_clip import faults
+from ds_clip.distributed import barrier as _barrier
+from ds_clip.distributed import broadcast_object, rank, world_size
 
 logger = logging.getLogger("ds_clip")
 
@@ -86,16 +87,11 @@ def install_safe_loading(engine) -> None:
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return rank()
 
 
 def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+    return world_size()
 
 
 def tag_for(step: int) -> str:
@@ -440,8 +436,7 @@ def _universal_dir(path: Path, run_dir: Path | None, flag: str) -> Path:
             (out / MARKER).write_text(path.name)
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             error[0] = f"{type(exc).__name__}: {exc}"
-    if dist.is_initialized():
-        dist.broadcast_object_list(error, src=0)
+    error[0] = broadcast_object(error[0], src=0)
     if error[0] is not None:
         raise CheckpointError(
             f"{flag}: converting {path} to DeepSpeed's universal checkpoint failed ({error[0]}); resume on "

@@ -1,8 +1,24 @@
-"""Process-group start-up and the few collectives ds_clip issues itself.
+"""Process-group start-up and every collective ds_clip issues itself (the one home for them).
 
 The same code runs on CPU (gloo) and GPU (NCCL): DeepSpeed picks the accelerator and backend, and
 reads rank and world size from whichever launcher started us (deepspeed, torchrun, SLURM, or mpirun
 through mpi4py).
+
+Why every collective lives here: under NCCL a process group has no backend for CPU tensors (a
+collective on one raises ``No backend type associated with device type cpu``), and gloo accepts
+them, so CPU tests never show the bug. The helpers below put what they send on the accelerator's
+current device (``device()``), and hand results back where the caller's tensor was: a CPU tensor
+in, a CPU tensor out; a device tensor stays on the device. No other ds_clip module calls
+``torch.distributed`` (or ``torch.distributed.nn``, ``deepspeed.comm``) collectives: a test scans
+the package's source for that (tests/test_collectives.py), and a guard (tests/collective_guard.py)
+runs the trainer, evaluation and checkpoints with every collective recorded.
+
+The guard needs "on the accelerator" to be observable on a CPU-only machine. With the environment
+variable ``DS_CLIP_COLLECTIVE_GUARD=1`` and a CPU accelerator, placement returns a
+``SimulatedDeviceTensor`` (same storage, a subclass that survives every op and turns back into a
+plain tensor on ``.cpu()`` / ``.to("cpu")``): a tensor handed to a collective that never went
+through ``to_device`` is a plain tensor, exactly the one NCCL would refuse. Without the variable,
+or on a GPU, placement is ``t.to(device())`` and nothing else changes.
 """
 
 from __future__ import annotations
@@ -72,10 +88,37 @@ def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
         # Bounded check that every rank reaches the master, naming the host that does not,
         # instead of torch's rendezvous waiting out its whole timeout.
         report = check_rendezvous()
+        # NCCL needs one GPU per rank chosen before the first collective (object collectives such as
+        # broadcast_object use the current device): LOCAL_RANK is known by now (MPI discovery included).
+        _set_local_device()
         deepspeed.init_distributed(
             auto_mpi_discovery=launched_by_mpi, timeout=timedelta(seconds=timeout_s), verbose=False
         )
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), report)
+
+
+def _local_rank() -> int:
+    for key in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return 0
+
+
+def _set_local_device() -> None:
+    """Make GPU LOCAL_RANK this process's current device (nothing on a CPU accelerator)."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.device_name() == "cpu":
+        return
+    local = _local_rank()
+    count = acc.device_count()
+    if local >= count:
+        raise RuntimeError(
+            f"LOCAL_RANK {local} but this host has {count} {acc.device_name()} device(s): start at most "
+            f"{count} ranks per host (one per device), e.g. deepspeed --num_gpus {count}"
+        )
+    acc.set_device(local)
 
 
 def _free_port() -> int:
@@ -94,29 +137,246 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+# ------------------------------------------------------------------------------------------- placement
+
+GUARD_ENV = "DS_CLIP_COLLECTIVE_GUARD"
+"""Set to 1 (tests only) to make placement on a CPU accelerator observable: see the module docstring."""
+
+
+def device() -> torch.device:
+    """The accelerator's current device (``cuda:LOCAL_RANK`` on GPUs, ``cpu`` on the CPU accelerator)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
+
+
+class SimulatedDeviceTensor(torch.Tensor):
+    """A CPU tensor standing for one on the accelerator (guarded CPU runs only, ``GUARD_ENV``).
+
+    Results of ops on it are of this class too (torch's default ``__torch_function__``), as results on a
+    GPU stay on the GPU; ``.cpu()``, ``.to("cpu")`` and ``.to(plain_tensor)`` return a plain tensor, as a
+    copy to the host would. Tensors created without it (``torch.tensor(...)``, ``torch.zeros(...)``) are
+    plain: "on the host" for the guard.
+    """
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cpu or (func is torch.Tensor.to and _to_host(args, kwargs)):
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+            return out.as_subclass(torch.Tensor)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _to_host(args: tuple, kwargs: dict) -> bool:
+    target = kwargs.get("device")
+    for a in args[1:]:
+        if isinstance(a, torch.Tensor):
+            return not isinstance(a, SimulatedDeviceTensor)
+        if isinstance(a, (str, torch.device)):
+            target = a
+    return target is not None and torch.device(target).type == "cpu"
+
+
+def _simulating() -> bool:
+    return os.environ.get(GUARD_ENV) == "1" and device().type == "cpu"
+
+
+def is_on_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives on the accelerator's current device (under the guard: went through ``to_device``)."""
+    if _simulating():
+        return isinstance(t, SimulatedDeviceTensor)
+    d = device()
+    return t.device.type == d.type and (d.index is None or t.device.index == d.index)
+
+
+def to_device(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the accelerator's current device (no copy if it is there already; autograd-transparent)."""
+    if _simulating():
+        return t if isinstance(t, SimulatedDeviceTensor) else t.as_subclass(SimulatedDeviceTensor)
+    return t.to(device(), non_blocking=True) if not is_on_device(t) else t
+
+
+def _back_home(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``result`` (on the device) moved to where the caller's tensor ``like`` was."""
+    if is_on_device(like):
+        return result
+    # A copy to the host is a sync point: the caller asked for a host tensor.
+    return result.to(like.device)
+
+
+# ----------------------------------------------------------------------------------------- reductions
+
+
+def _all_reduce(t: torch.Tensor, op) -> torch.Tensor:
+    if world_size() == 1:
+        return t.detach().clone()  # no collective, no trip to the device
+    out = to_device(t.detach()).clone()
+    dist.all_reduce(out, op=op)
+    return _back_home(out, t)
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (a copy; the input is untouched; a world of one issues no collective)."""
+    return _all_reduce(t, dist.ReduceOp.SUM)
+
+
 def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
-    """Mean over ranks of a small tensor (a copy; the input is untouched)."""
-    t = t.detach().clone()
+    """Mean over ranks (a copy, in ``t``'s dtype: give it a floating-point tensor)."""
+    out = _all_reduce(t, dist.ReduceOp.SUM)
     if world_size() > 1:
-        dist.all_reduce(t)
-        t /= world_size()
-    return t
+        out /= world_size()
+    return out
 
 
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().clone()
-    if world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t
+    """Elementwise maximum over ranks (a copy)."""
+    return _all_reduce(t, dist.ReduceOp.MAX)
 
 
-def any_rank(flag: bool) -> bool:
+def all_reduce_min(t: torch.Tensor) -> torch.Tensor:
+    """Elementwise minimum over ranks (a copy)."""
+    return _all_reduce(t, dist.ReduceOp.MIN)
+
+
+def any_rank(flag: bool | torch.Tensor) -> bool:
     """True on every rank if ``flag`` is true on any rank: one 4-byte all-reduce, so that all ranks
-    take the same branch (skip a step, stop for a signal). A collective: call it on every rank."""
+    take the same branch (skip a step, stop for a signal). A collective: call it on every rank.
+
+    ``flag`` may be a bool tensor on the device (e.g. ``~torch.isfinite(loss)``): the all-reduce runs on
+    the device and the one host sync is the final ``bool``.
+    """
     if world_size() == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0])
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
+        return bool(flag.any()) if isinstance(flag, torch.Tensor) else bool(flag)
+    if isinstance(flag, torch.Tensor):
+        t = to_device(flag.detach().reshape(-1).any().to(torch.float32).reshape(1))
+    else:
+        t = to_device(torch.tensor([1.0 if flag else 0.0]))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
+    return bool(t.item() > 0)  # the one host sync
+
+
+# ------------------------------------------------------------------------------------------- objects
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``obj`` of rank ``src`` (picklable), on every rank. Torch moves the pickled bytes through the
+    current device under NCCL: ``init_distributed`` chose it."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(obj: Any) -> list:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+    if world_size() == 1:
+        return [obj]
+    out: list = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing without a process group)."""
+    if dist.is_initialized() and world_size() > 1:
+        dist.barrier()
+
+
+# ------------------------------------------------------------------------------------------- gathers
+
+
+def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows of ``t`` concatenated in rank order; row counts may differ by rank (no grad).
+
+    Two gathers: the counts, then the rows padded to the largest count.
+    """
+    world = world_size()
+    if world == 1:
+        return t.detach()
+    x = to_device(t.detach())
+    n = to_device(torch.tensor([x.shape[0]], dtype=torch.long))
+    counts = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(counts, n)
+    sizes = torch.cat(counts).tolist()  # host sync: the shapes below depend on it
+    most = max(sizes)
+    padded = x.new_zeros((most, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    parts = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded.contiguous())
+    return _back_home(torch.cat([p[:c] for p, c in zip(parts, sizes)]), t)
+
+
+def _gather_equal(x: torch.Tensor) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(world_size())]
+    dist.all_gather(parts, x)
+    return torch.cat(parts)
+
+
+def all_gather_cat(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``t`` (same shape on every rank) concatenated along dim 0 in rank order; no grad."""
+    if world_size() == 1:
+        return t.detach()
+    return _back_home(_gather_equal(to_device(t.detach()).contiguous()), t)
+
+
+def _sum_own_rows(g: torch.Tensor, rows: int) -> torch.Tensor:
+    """Sum over ranks of ``g`` ([W * rows, ...] on every rank), keeping this rank's ``rows`` rows."""
+    start = rank() * rows
+    if dist.get_backend() == "nccl":
+        out = g.new_empty((rows, *g.shape[1:]))
+        dist.reduce_scatter_tensor(out, g.contiguous())
+        return out
+    # gloo has no reduce-scatter: all-reduce the whole gradient and keep our slice.
+    total = g.contiguous().clone()
+    dist.all_reduce(total)
+    return total[start : start + rows]
+
+
+class _AllGatherWithGrad(torch.autograd.Function):
+    """All-gather along dim 0 whose backward sums every rank's gradient of this rank's rows (as
+    ``torch.distributed.nn.all_gather``, which open_clip's gather-with-grad uses), with both directions
+    issued from here so that they run on the device."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+        ctx.rows = t.shape[0]
+        return _gather_equal(t.contiguous())
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        return _sum_own_rows(to_device(g), ctx.rows)
+
+
+def all_gather_cat_with_grad(t: torch.Tensor) -> torch.Tensor:
+    """``all_gather_cat`` whose backward reduces: the gradient of every rank's use of this rank's rows
+    arrives back here, summed (the loss's ``--gather-with-grad``)."""
+    if world_size() == 1:
+        return t
+    return _back_home(_AllGatherWithGrad.apply(to_device(t)), t)
+
+
+__all__ = [
+    "GUARD_ENV",
+    "DistInfo",
+    "SimulatedDeviceTensor",
+    "all_gather_cat",
+    "all_gather_cat_with_grad",
+    "all_gather_object",
+    "all_gather_rows",
+    "all_reduce_max",
+    "all_reduce_mean",
+    "all_reduce_min",
+    "all_reduce_sum",
+    "any_rank",
+    "barrier",
+    "broadcast_object",
+    "device",
+    "init_distributed",
+    "is_on_device",
+    "rank",
+    "to_device",
+    "world_size",
+]

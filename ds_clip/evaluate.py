@@ -38,8 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+
+from ds_clip.distributed import all_gather_rows, all_reduce_max
 
 logger = logging.getLogger("ds_clip")
 
@@ -299,33 +300,9 @@ def zeroshot_accuracy(
 
 
 def _world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    from ds_clip import distributed
 
-
-def _gather_rows(t: torch.Tensor) -> torch.Tensor:
-    """Concatenate every rank's rows (counts may differ by rank)."""
-    rank, world = _world()
-    if world == 1:
-        return t
-    n = torch.tensor([t.shape[0]], device=t.device)
-    counts = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(counts, n)
-    most = int(max(c.item() for c in counts))
-    padded = torch.zeros((most, *t.shape[1:]), dtype=t.dtype, device=t.device)
-    padded[: t.shape[0]] = t
-    parts = [torch.zeros_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded)
-    return torch.cat([p[: int(c.item())] for p, c in zip(parts, counts)])
-
-
-def _max_over_ranks(x: int) -> int:
-    if not dist.is_initialized():
-        return x
-    t = torch.tensor([x])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return distributed.rank(), distributed.world_size()
 
 
 @torch.no_grad()
@@ -356,7 +333,7 @@ def evaluate(
         )
     )
     # ZeRO-3 gathers parameters inside forward: every rank must run the same number of forwards.
-    n_forward = _max_over_ranks(len(batches))
+    n_forward = int(all_reduce_max(torch.tensor([len(batches)])))
     idx, imgs, txts, labels = [], [], [], []
     out: dict = {}
     for b in range(n_forward):
@@ -368,15 +345,19 @@ def evaluate(
         if pad:
             continue
         idx.append(i)
-        imgs.append(out["image_features"].float().cpu())
-        txts.append(out["text_features"].float().cpu())
+        # Features stay where the model put them (the GPU) until they are gathered.
+        imgs.append(out["image_features"].float())
+        txts.append(out["text_features"].float())
         labels.append(label)
     dim = out["image_features"].shape[-1]
-    cat = lambda xs, shape, dt: torch.cat(xs) if xs else torch.zeros(shape, dtype=dt)  # noqa: E731
-    order_idx = _gather_rows(cat(idx, (0,), torch.long))
-    image_f = _gather_rows(cat(imgs, (0, dim), torch.float32))
-    text_f = _gather_rows(cat(txts, (0, dim), torch.float32))
-    label_all = _gather_rows(cat(labels, (0,), torch.long))
+    feat_device = out["image_features"].device
+    cat = lambda xs, shape, dt, dev: torch.cat(xs) if xs else torch.zeros(shape, dtype=dt, device=dev)  # noqa: E731
+    # Gathered on the device (NCCL has no CPU backend), then brought to the host for the metrics, whose
+    # memory is O(chunk * N_val) on the CPU rather than on the accelerator.
+    order_idx = all_gather_rows(cat(idx, (0,), torch.long, "cpu")).cpu()
+    image_f = all_gather_rows(cat(imgs, (0, dim), torch.float32, feat_device)).cpu()
+    text_f = all_gather_rows(cat(txts, (0, dim), torch.float32, feat_device)).cpu()
+    label_all = all_gather_rows(cat(labels, (0,), torch.long, "cpu")).cpu()
     order = order_idx.argsort()
     image_f, text_f, label_all = image_f[order], text_f[order], label_all[order]
     if torch.unique(order_idx).numel() != order_idx.numel():

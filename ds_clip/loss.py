@@ -19,6 +19,16 @@ enter once per step (not once per micro-batch) with ``scalar_grad_coef``.
 
 Local loss *without* gather-with-grad drops the gradient that other ranks' rows send to this rank's
 embeddings: it is not the full-batch gradient, so it is refused.
+
+Gathers (audit of open_clip's collectives): open_clip's ``ClipLoss`` with world_size > 1 calls
+``open_clip.loss.gather_features`` (``dist.all_gather`` into ``zeros_like`` buffers, or
+``torch.distributed.nn.all_gather`` with gather-with-grad), and ``SigLipLoss(dist_impl="gather")`` calls
+``torch.distributed.nn.all_gather``: collectives outside ``ds_clip.distributed``, on whatever device the
+features are. ds_clip therefore never gives open_clip a world size above one: ``_ClipLoss`` and
+``_SigLipLoss`` below are open_clip's classes with only the gather replaced by ``gather_features`` of this
+module, which gathers through ``ds_clip.distributed`` (tensors on the accelerator's device; the
+with-grad backward sums each rank's rows over ranks, as ``torch.distributed.nn.all_gather`` does). The
+logits, labels and reductions are open_clip's own code.
 """
 
 from __future__ import annotations
@@ -26,10 +36,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed.nn
-from open_clip.loss import ClipLoss, SigLipLoss, gather_features
+from open_clip.loss import ClipLoss, SigLipLoss
 
-from ds_clip.distributed import all_reduce_mean
+from ds_clip.distributed import all_gather_cat, all_gather_cat_with_grad, all_reduce_mean
 
 
 @dataclass(frozen=True)
@@ -91,9 +100,9 @@ class ContrastiveLoss:
         self.rank = rank
         self.world_size = world_size
         if spec.siglip:
-            self._dense = SigLipLoss(rank=rank, world_size=world_size, dist_impl="gather")
+            self._dense = _SigLipLoss(rank=rank, world_size=world_size, dist_impl="gather")
         else:
-            self._dense = ClipLoss(
+            self._dense = _ClipLoss(
                 local_loss=spec.local_loss,
                 gather_with_grad=spec.gather_with_grad,
                 rank=rank,
@@ -139,7 +148,7 @@ class ContrastiveLoss:
 
         tile = self.spec.tile_size
         if self.spec.siglip:
-            all_text = _all_gather_with_grad(text) if self.world_size > 1 else text
+            all_text = all_gather_cat_with_grad(text) if self.world_size > 1 else text
             total = tiled_loss.siglip_loss_chunked(
                 image, all_text, scale, bias, row_offset=self.rank * image.shape[0], tile_size=tile
             )
@@ -161,5 +170,75 @@ class ContrastiveLoss:
         return tiled_loss.clip_loss_tiled(all_image, all_text, all_image, all_text, scale, 0, tile)
 
 
-def _all_gather_with_grad(t: torch.Tensor) -> torch.Tensor:
-    return torch.cat(torch.distributed.nn.all_gather(t), dim=0)
+def gather_features(
+    image: torch.Tensor,
+    text: torch.Tensor,
+    *,
+    local_loss: bool,
+    gather_with_grad: bool,
+    rank: int,
+    world_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """open_clip's ``gather_features`` (torch.distributed path), through ``ds_clip.distributed``.
+
+    With grad: the gathered rows carry gradient back to their rank (summed over ranks). Without: the
+    gathered copies are constants, and for the global loss this rank's own rows are put back as the live
+    tensors, so its embeddings still get their gradient.
+    """
+    if gather_with_grad:
+        return all_gather_cat_with_grad(image), all_gather_cat_with_grad(text)
+    all_image, all_text = all_gather_cat(image), all_gather_cat(text)
+    if not local_loss:
+        all_image = _own_rows_live(all_image, image, rank, world_size)
+        all_text = _own_rows_live(all_text, text, rank, world_size)
+    return all_image, all_text
+
+
+def _own_rows_live(gathered: torch.Tensor, mine: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    parts = list(gathered.chunk(world_size, dim=0))
+    parts[rank] = mine
+    return torch.cat(parts, dim=0)
+
+
+class _ClipLoss(ClipLoss):
+    """open_clip's ClipLoss; only its gather goes through ds_clip.distributed (see the module docstring)."""
+
+    def get_logits(self, image_features, text_features, logit_scale, logit_bias=None):
+        if self.world_size == 1:
+            return super().get_logits(image_features, text_features, logit_scale, logit_bias)
+        # open_clip 3.3's ClipLoss.get_logits, world_size > 1 branch, with our gather_features.
+        all_image_features, all_text_features = gather_features(
+            image_features,
+            text_features,
+            local_loss=self.local_loss,
+            gather_with_grad=self.gather_with_grad,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        if self.local_loss:
+            logits_per_image = logit_scale * image_features @ all_text_features.T
+            logits_per_text = logit_scale * text_features @ all_image_features.T
+        else:
+            logits_per_image = logit_scale * all_image_features @ all_text_features.T
+            logits_per_text = logits_per_image.T
+        if logit_bias is not None:
+            logits_per_image += logit_bias
+            logits_per_text += logit_bias
+        return logits_per_image, logits_per_text
+
+
+class _SigLipLoss(SigLipLoss):
+    """open_clip's SigLipLoss (``dist_impl="gather"``) with its all-gather through ds_clip.distributed."""
+
+    def forward(self, image_features, text_features, logit_scale, logit_bias, output_dict=False):
+        if self.world_size == 1:
+            return super().forward(image_features, text_features, logit_scale, logit_bias, output_dict)
+        # open_clip 3.3's SigLipLoss.forward, dist_impl "gather" branch: this rank's positives and
+        # negatives, plus every other rank's texts as negatives.
+        loss = self._loss(image_features, text_features, logit_scale, logit_bias)
+        all_text = all_gather_cat_with_grad(text_features).chunk(self.world_size, dim=0)
+        for i in range(self.world_size):
+            loss += float(i != self.rank) * self._loss(
+                image_features, all_text[i], logit_scale, logit_bias, negative_only=True
+            )
+        return {"contrastive_loss": loss} if output_dict else loss
