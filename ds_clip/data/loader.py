@@ -8,10 +8,16 @@ step uses to derive per-micro-batch RNG state: equal on (W=4, k=1) and (W=2, k=2
 
 Leftover rule: pairs that do not fill a whole global batch at the end of an epoch are not trained
 (never a smaller step); a warning on logger "ds_clip.data" says how many.
+
+Augmentation: both loaders wrap the `preprocess` they are given in a `SeededTransform` (data/augment.py),
+so each sample's random draws are a function of (--seed, epoch, sample identity) alone; the caller passes
+the user's train transform as it is.
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,6 +26,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from ds_clip.data.augment import SeededTransform
 from ds_clip.data.synthetic import SyntheticCaptions
 
 logger = logging.getLogger("ds_clip.data")
@@ -91,6 +98,18 @@ class DataSettings:
         for flag, value in (("--image-key", self.image_key), ("--caption-key", self.caption_key)):
             if not [k for k in value.split(";") if k.strip()]:
                 raise DataError(f"{flag} must name at least one extension, got {value!r}")
+
+
+def loader_generator(*parts: object) -> torch.Generator:
+    """A generator for a DataLoader's worker base seed, seeded from `parts`.
+
+    Without one, every DataLoader iterator draws its base seed from the training process's global torch
+    generator: iterating the data would move the trainer's RNG, by an amount that depends on how many
+    iterators were made (epochs, passes, restarts). Augmentation does not use the workers' generators
+    (SeededTransform seeds per sample), so this only keeps the training process's generator untouched.
+    """
+    digest = hashlib.blake2b(repr(("loader",) + parts).encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
 @dataclass
@@ -215,9 +234,11 @@ class SyntheticTrainData(TrainData):
                 settings.train_num_samples - self.samples_per_epoch,
             )
         self.workers = settings.workers
+        self.seed = settings.seed
+        # The augmentation of global sample i in epoch e is a function of (seed, e, i) alone.
         self.dataset = SyntheticCaptions(
             seed=settings.seed,
-            preprocess=preprocess,
+            preprocess=SeededTransform(preprocess, settings.seed),
             tokenizer=tokenizer,
             image_size=settings.synthetic_image_size,
         )
@@ -226,12 +247,15 @@ class SyntheticTrainData(TrainData):
         self._check_start(epoch, start_step)
         g = self.geometry
         sampler = _StepIndexSampler(g, epoch * self.samples_per_epoch, start_step, self.steps_per_epoch)
+        dataset = copy.copy(self.dataset)
+        dataset.epoch = epoch  # a fresh copy per epoch: workers get it pickled (or forked) with the epoch set
         loader = torch.utils.data.DataLoader(
-            self.dataset,
+            dataset,
             batch_sampler=sampler,
             num_workers=self.workers,
             persistent_workers=False,
             prefetch_factor=4 if self.workers > 0 else None,
+            generator=loader_generator(self.seed, epoch, g.rank, start_step),
         )
         ids = g.micro_batch_ids()
         micro: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -255,7 +279,11 @@ def build_train_data(
     batch_size: int,
     accum_freq: int,
 ) -> TrainData:
-    """Build this rank's loader. `batch_size` is the micro-batch size m per rank, `accum_freq` is k."""
+    """Build this rank's loader. `batch_size` is the micro-batch size m per rank, `accum_freq` is k.
+
+    Pass the user's train transform as `preprocess`, unchanged: the loader wraps it in a SeededTransform
+    with `settings.seed` itself (an already wrapped one is not wrapped twice).
+    """
     settings.validate()
     if world_size < 1 or not 0 <= rank < world_size:
         raise DataError(f"rank {rank} is not in a world of size {world_size}")

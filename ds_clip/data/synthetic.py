@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from PIL import Image, ImageDraw
 
+from ds_clip.data.augment import SeededTransform
+
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30),
     "green": (30, 170, 40),
@@ -83,6 +85,9 @@ class SyntheticCaptions(torch.utils.data.Dataset):
     `length` only matters for code that asks `len()` (evaluation sets); training indexes it by
     global sample index through a batch sampler and never asks. `offset` shifts every index, so a
     held-out evaluation set can use indices training never reaches (or simply another seed).
+
+    A `SeededTransform` as `preprocess` draws its augmentation from (its seed, `epoch`, global sample
+    index g + offset) alone (see ds_clip/data/augment.py); any other callable is called as it is.
     """
 
     def __init__(
@@ -94,6 +99,7 @@ class SyntheticCaptions(torch.utils.data.Dataset):
         image_size: int = 64,
         length: int | None = None,
         offset: int = 0,
+        epoch: int = 0,
     ) -> None:
         self.seed = seed
         self.preprocess = preprocess
@@ -101,6 +107,7 @@ class SyntheticCaptions(torch.utils.data.Dataset):
         self.image_size = image_size
         self.length = length
         self.offset = offset
+        self.epoch = epoch
 
     def __len__(self) -> int:
         if self.length is None:
@@ -114,5 +121,10 @@ class SyntheticCaptions(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if index < 0:
             raise IndexError(f"negative sample index {index}")
-        image, caption = render_pair(self.seed, index + self.offset, self.image_size)
-        return self.preprocess(image), torch.as_tensor(self.tokenizer([caption])[0])
+        sample = index + self.offset
+        image, caption = render_pair(self.seed, sample, self.image_size)
+        if isinstance(self.preprocess, SeededTransform):
+            pixels = self.preprocess(image, epoch=self.epoch, sample=sample)
+        else:
+            pixels = self.preprocess(image)
+        return pixels, torch.as_tensor(self.tokenizer([caption])[0])

@@ -15,12 +15,16 @@ their skip counts and their position (raw samples consumed) attached; the main p
 micro-batches round-robin starting from a fixed worker, so the order is a pure function of (seed,
 epoch, rank, W, k, m, workers), and a resumed run can make every worker skip exactly what it had
 consumed without decoding it.
+
+Augmentation: the worker calls the user's transform through a SeededTransform (data/augment.py) with the
+sample's identity (shard URL as expanded from --train-data, sample key) and the epoch, so a sample's random
+crop (and any other draw of the transform) is the same whatever rank, worker, --workers or restart reads it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
+import functools
 import hashlib
 import io
 import json
@@ -35,12 +39,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import braceexpand
 import torch
 from PIL import Image
 from webdataset.gopen import gopen
 
-from ds_clip.data.loader import DataError, DataSettings, StepBatch, TrainData, _Geometry
+from ds_clip.data.augment import SeededTransform
+from ds_clip.data.loader import DataError, DataSettings, StepBatch, TrainData, _Geometry, loader_generator
+from ds_clip.data.urls import ShardPatternError, expand_shards
 
 logger = logging.getLogger("ds_clip.data")
 
@@ -62,37 +67,13 @@ def _local_path(url: str) -> str:
     return url[len("file:") :] if url.startswith("file:") else url
 
 
-def expand_urls(train_data: str) -> list[str]:
-    """Expand a --train-data string: "::"-joined sources, each brace-expanded, local globs resolved.
-
-    Local shards must exist; a source that matches no file is an error naming it.
-    """
-    urls: list[str] = []
-    for source in train_data.split("::"):
-        source = source.strip()
-        if not source:
-            raise DataError(f"--train-data {train_data!r} has an empty source between '::'")
-        expanded = list(braceexpand.braceexpand(source))
-        if not _is_local(source):
-            urls.extend(expanded)
-            continue
-        found: list[str] = []
-        missing: list[str] = []
-        for pattern in expanded:
-            path = _local_path(pattern)
-            if glob.has_magic(path):
-                found.extend(sorted(glob.glob(path)))
-            elif os.path.isfile(path):
-                found.append(path)
-            else:
-                missing.append(path)
-        if not found:
-            raise DataError(f"--train-data pattern {source!r} matches no file")
-        if missing:
-            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-            raise DataError(f"--train-data pattern {source!r}: missing {missing[:3]}{more}")
-        urls.extend(found)
-    return urls
+def expand_urls(train_data: str, flag: str = "--train-data") -> list[str]:
+    """The shards of a --train-data/--val-data value: `ds_clip.data.urls.expand_shards` (braces, globs,
+    "::", `pipe:`, `file:`, URLs; local shards must exist), its errors as DataError naming `flag`."""
+    try:
+        return expand_shards(train_data, flag)
+    except ShardPatternError as exc:
+        raise DataError(str(exc)) from None
 
 
 def _split_name(name: str) -> tuple[str | None, str | None]:
@@ -358,7 +339,7 @@ class _Pipeline:
     shuffle_buffer: int
     image_exts: tuple[str, ...]
     caption_exts: tuple[str, ...]
-    preprocess: Callable[[Image.Image], torch.Tensor]
+    augment: SeededTransform
     tokenizer: Callable[[list[str]], Any]
     plan: _EpochPlan | None = field(default=None)
 
@@ -415,7 +396,8 @@ class _WorkerStream(torch.utils.data.IterableDataset):
                     raw,
                     image_exts=p.image_exts,
                     caption_exts=p.caption_exts,
-                    preprocess=p.preprocess,
+                    # the sample's draws: a function of (seed, epoch, shard URL, key) alone
+                    preprocess=functools.partial(p.augment, epoch=plan.epoch, sample=(raw.url, raw.key)),
                     tokenizer=p.tokenizer,
                 )
                 if isinstance(out, str):
@@ -505,7 +487,7 @@ class WebDatasetTrainData(TrainData):
             shuffle_buffer=settings.shuffle_buffer,
             image_exts=tuple(e.strip().lower() for e in settings.image_key.split(";") if e.strip()),
             caption_exts=tuple(e.strip().lower() for e in settings.caption_key.split(";") if e.strip()),
-            preprocess=preprocess,
+            augment=SeededTransform(preprocess, settings.seed),
             tokenizer=tokenizer,
         )
         self._raw_pos: list[int] = [0] * max(self.workers, 1)
@@ -558,6 +540,9 @@ class WebDatasetTrainData(TrainData):
             num_workers=self.workers,
             persistent_workers=False,
             prefetch_factor=4 if self.workers > 0 else None,
+            generator=loader_generator(
+                self.settings.seed, plan.epoch, self.geometry.rank, first_worker, plan.raw_skip, plan.count
+            ),
         )
         queues: list[deque] = [deque() for _ in range(nw)]
         ended: set[int] = set()
