@@ -418,40 +418,14 @@ def default_run_name(s: TrainSettings, now: datetime | None = None) -> str:
     return re.sub(r"[^A-Za-z0-9_.=+-]", "-", name)
 
 
-def expand_shards(pattern: str) -> tuple[list[str], list[str]]:
-    """Split a --train-data/--val-data value into sources, brace-expand each.
-
-    Returns (local file names, sources that are `pipe:` commands or URLs and cannot be checked here).
-    """
-    import braceexpand  # installed with webdataset
-
-    files: list[str] = []
-    unchecked: list[str] = []
-    for source in pattern.split("::"):
-        source = source.strip()
-        if not source:
-            continue
-        for url in braceexpand.braceexpand(source):
-            if url.startswith("pipe:") or "://" in url:
-                unchecked.append(url)
-            elif url.startswith("file:"):
-                files.append(url[len("file:") :])
-            else:
-                files.append(url)
-    return files, unchecked
-
-
 def _check_shards(flag: str, pattern: str) -> None:
-    files, unchecked = expand_shards(pattern)
-    if not files and not unchecked:
-        raise SettingsError(f"{flag} {pattern!r} names no shards")
-    missing = [f for f in files if not Path(f).expanduser().is_file()]
-    if files and len(missing) == len(files):
-        raise SettingsError(f"{flag}: no file matches {pattern!r}")
-    if missing:
-        raise SettingsError(
-            f"{flag}: {len(missing)} of {len(files)} shards of {pattern!r} are missing, e.g. {missing[0]!r}"
-        )
+    # The webdataset reader expands the same way (one expander): what passes here is what it reads.
+    from ds_clip.data.urls import ShardPatternError, expand_shards
+
+    try:
+        expand_shards(pattern, flag)
+    except ShardPatternError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def _check_model(s: TrainSettings) -> None:
