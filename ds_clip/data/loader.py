@@ -72,7 +72,7 @@ class DataSettings:
     workers: int = 1
     """--workers: DataLoader worker processes per rank (0: load in the training process)."""
     seed: int = 0
-    """--seed: seeds the synthetic dataset, the shard order and the sample shuffle."""
+    """--seed: seeds the synthetic dataset, the shard order, the sample shuffle and each sample's augmentation."""
     synthetic_image_size: int = 64
     """--synthetic-image-size: side in pixels at which synthetic images are rendered (preprocess resizes)."""
     shuffle_buffer: int = 1000
