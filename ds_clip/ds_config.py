@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import copy
 import json
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 from ds_clip.config import SettingsError, TrainSettings, settings_to_dict
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
+# The presets live once in git, in the repo's top-level ds_configs/. ds_clip/ds_configs is a symlink to it, so
+# the editable checkout reads them in place, and setuptools copies the files it points to into the wheel as
+# package data (pyproject.toml): an installed ds_clip finds them inside the package, no checkout needed.
+PRESET_DIR = files("ds_clip") / "ds_configs"
 
 # Keys the cached accumulation step (ds_clip.step) needs in the engine config. A preset that sets one
 # of them to another value is refused. With managed accumulation off, engine.backward() only
@@ -38,7 +42,7 @@ _ACCUM_HINT = "ds_clip accumulates itself with exact cached features; use --accu
 
 def list_presets() -> list[str]:
     """Names of the presets shipped in ds_configs/ (file names without .json), sorted."""
-    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+    return sorted(p.name[: -len(".json")] for p in PRESET_DIR.iterdir() if p.name.endswith(".json"))
 
 
 def preset_label(name_or_path: str) -> str:
