@@ -1,4 +1,4 @@
-"""ds-clip-bench: bad arguments are one-line errors naming the flag; one tiny W=1 run yields every table.
+"""benchmarks/bench_accum.py: bad arguments are one-line errors naming the flag; one tiny W=1 run yields every table.
 
 No timing is asserted (speed lives in docs/benchmarks.md); the run checks what the benchmark counts:
 one measurement per mode and timed step, the cache size formula, no loss collectives at W=1, the
@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from ds_clip import bench
+from benchmarks import bench_accum as bench  # a tool beside the package, not in the wheel
 
 
 def _error(capsys, argv: list[str]) -> str:
@@ -37,7 +37,7 @@ def _error(capsys, argv: list[str]) -> str:
 )
 def test_bad_arguments_name_the_flag(capsys, argv, flag):
     err = _error(capsys, argv)
-    assert err.startswith("ds-clip-bench: error:") and flag in err
+    assert err.startswith("benchmarks/bench_accum.py: error:") and flag in err
     assert "Traceback" not in err
 
 

@@ -1,8 +1,9 @@
 """What --accum-freq costs: time, memory, cache and network per optimizer step, next to open_clip's loop.
 
-Quick look (one model, one rank, about a minute on 2 CPU cores):
+Run from the repository root with ds_clip installed (scripts/setup.sh); `--open-clip` needs pandas (the
+`bench` extra; open_clip_train imports it). Quick look (one model, one rank, about a minute on 2 CPU cores):
 
-    ds-clip-bench --models ds-clip-tiny --k 1 2 4 8 --open-clip      # or: python -m ds_clip.bench ...
+    python benchmarks/bench_accum.py --models ds-clip-tiny --k 1 2 4 8 --open-clip
 
 The exact commands behind docs/benchmarks.md (five runs, about 21 minutes on 2 cores) are listed there;
 ``--json`` saves the raw measurements and ``--report FILE... --img-dir DIR`` re-renders tables and plots.
@@ -43,6 +44,7 @@ import argparse
 import contextlib
 import datetime
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -1074,7 +1076,7 @@ def plot(rows: Sequence[dict[str, Any]], img_dir: Path) -> list[Path]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="ds-clip-bench",
+        prog="benchmarks/bench_accum.py",
         description="Measure what --accum-freq costs (time, memory, cache, collectives) against a plain "
         "DeepSpeed step and open_clip's own trainer.",
     )
@@ -1132,6 +1134,9 @@ def settings_from_args(a: argparse.Namespace) -> BenchSettings:
             raise BenchError(f"--world-sizes {max(a.world_sizes)} > {torch.cuda.device_count()} visible GPUs")
     if a.precision == "bf16" and a.device == "cpu" and a.open_clip:
         pass  # open_clip runs amp_bf16 on the CPU; slower than fp32 there, but the same precision
+    if a.open_clip and importlib.util.find_spec("pandas") is None:
+        # not a ds_clip dependency: only open_clip_train (the side-by-side runs) imports it
+        raise BenchError("--open-clip needs pandas (open_clip_train imports it): pip install -e '.[bench]'")
     s = BenchSettings(
         models=list(a.models),
         image_size=a.image_size,
@@ -1182,7 +1187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         s = settings_from_args(a)
     except BenchError as e:
-        parser.exit(2, f"ds-clip-bench: error: {e}\n")
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     start = machine_info(s.device)
     t0 = time.perf_counter()
     rows = run_benchmark(s)
