@@ -180,28 +180,38 @@ def offences(report_dir: str | Path) -> list[dict]:
     return [r for r in records(report_dir) if r["offences"]]
 
 
-def format_offences(found: list[dict]) -> str:
-    """One line per offending call site (ranks and counts merged), with its ds_clip call chain."""
-    by_site: dict[tuple, dict] = {}
+def format_offences(found: list[dict], chains: int = 2) -> str:
+    """One entry per offending call site (ranks, counts and reasons merged), with up to ``chains`` of the
+    ds_clip call chains that reached it."""
+    by_site: dict[tuple[str, str], dict] = {}
     for r in found:
-        key = (r["op"], tuple(r["stack"]), tuple(r["offences"]))
-        entry = by_site.setdefault(key, {"ranks": set(), "calls": 0})
-        entry["ranks"].add(r["rank"])
-        entry["calls"] += 1
-    lines = [f"{len(by_site)} offending collective call site(s):"]
-    for (op, stack, why), e in sorted(by_site.items(), key=lambda kv: kv[0][1]):
+        e = by_site.setdefault(
+            (r["stack"][0], r["op"]), {"ranks": set(), "calls": 0, "why": [], "chains": []}
+        )
+        e["ranks"].add(r["rank"])
+        e["calls"] += 1
+        e["why"] += [w for w in r["offences"] if w not in e["why"]]
+        chain = " <- ".join(r["stack"][1:])
+        if chain and chain not in e["chains"]:
+            e["chains"].append(chain)
+    lines = [f"{len(by_site)} offending collective call site(s) in {len(found)} calls:"]
+    for (site, op), e in sorted(by_site.items()):
         ranks = ",".join(str(x) for x in sorted(e["ranks"]))
-        lines.append(f"  dist.{op} at {stack[0]} (ranks {ranks}, {e['calls']} calls)")
-        if len(stack) > 1:
-            lines.append(f"      called from {' <- '.join(stack[1:])}")
-        for w in why:
-            lines.append(f"      {w}")
+        lines.append(f"  dist.{op} at {site} (ranks {ranks}, {e['calls']} calls)")
+        for c in e["chains"][:chains]:
+            lines.append(f"      called from {c}")
+        if len(e["chains"]) > chains:
+            lines.append(f"      ... and {len(e['chains']) - chains} other call chain(s)")
+        lines += [f"      {w}" for w in e["why"]]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m tests.collective_guard --report DIR MODULE [ARGS...]``: run MODULE as __main__, guarded."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    # The deepspeed launcher puts --local_rank=N first: hand it on to the module.
+    launcher = [a for a in argv if a.startswith("--local_rank")]
+    argv = [a for a in argv if not a.startswith("--local_rank")] + launcher
     if len(argv) < 3 or argv[0] != "--report":
         sys.exit("usage: python -m tests.collective_guard --report DIR MODULE [ARGS...]")
     report, module, rest = argv[1], argv[2], argv[3:]

@@ -364,14 +364,20 @@ def guarded_train_commands(model: str, logs: Path, report: Path) -> list[list[st
         "--val-data", "synthetic", "--val-num-samples", "24", "--val-every-n-steps", "2",
         "--zeroshot-classes", str(classes), "--save-every-n-steps", "2",
     ]  # fmt: skip
-    launch = ["deepspeed", "--num_gpus", "2", "--module", "tests.collective_guard", "--report", str(report)]
+    from ds_clip.distributed import _free_port
+
+    launch = [
+        "deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "--module",
+        "tests.collective_guard", "--report", str(report),
+    ]  # fmt: skip
     return [
         [*launch, "ds_clip.train", *common, "--max-steps", "4"],
         [*launch, "ds_clip.train", *common, "--max-steps", "6", "--resume", "latest"],
     ]
 
 
-def run_guarded_trainer(model_dir: Path, tmp: Path, pythonpath: str = str(ROOT)) -> tuple[list[dict], str]:
+def run_guarded_trainer(model_dir: Path, tmp: Path, package_root: Path = ROOT) -> tuple[list[dict], str]:
+    """Both guarded runs; ``package_root`` holds the ds_clip to test (another copy: an older version)."""
     (model_dir / "open_clip_config.json").write_text(
         json.dumps({"model_cfg": E2E_MODEL, "preprocess_cfg": {}})
     )
@@ -379,7 +385,12 @@ def run_guarded_trainer(model_dir: Path, tmp: Path, pythonpath: str = str(ROOT))
     out = ""
     for cmd in guarded_train_commands(f"local-dir:{model_dir}", tmp, report):
         proc = subprocess.run(
-            cmd, cwd=ROOT, env=_env(PYTHONPATH=pythonpath), capture_output=True, text=True, timeout=900
+            cmd,
+            cwd=package_root,  # `python -m` puts the working folder first on sys.path
+            env=_env(PYTHONPATH=f"{package_root}{os.pathsep}{ROOT}"),
+            capture_output=True,
+            text=True,
+            timeout=900,
         )
         out += proc.stdout + proc.stderr
         assert proc.returncode == 0, out[-5000:]
