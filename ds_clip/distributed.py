@@ -143,6 +143,18 @@ GUARD_ENV = "DS_CLIP_COLLECTIVE_GUARD"
 """Set to 1 (tests only) to make placement on a CPU accelerator observable: see the module docstring."""
 
 
+WORLD_OF_ONE_ENV = "DS_CLIP_COLLECTIVES_IN_WORLD_OF_ONE"
+"""Set to 1 to make the helpers issue their collectives in a process group of one rank too (by default a
+world of one issues none): scripts/gpu_check.sh uses it so that a 1-GPU NCCL run exercises every one."""
+
+
+def _single() -> bool:
+    """True where the helpers skip the collective: no process group, or one rank (unless WORLD_OF_ONE_ENV)."""
+    if not dist.is_initialized():
+        return True
+    return dist.get_world_size() == 1 and os.environ.get(WORLD_OF_ONE_ENV) != "1"
+
+
 def device() -> torch.device:
     """The accelerator's current device (``cuda:LOCAL_RANK`` on GPUs, ``cpu`` on the CPU accelerator)."""
     from deepspeed.accelerator import get_accelerator
@@ -210,7 +222,7 @@ def _back_home(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def _all_reduce(t: torch.Tensor, op) -> torch.Tensor:
-    if world_size() == 1:
+    if _single():
         return t.detach().clone()  # no collective, no trip to the device
     out = to_device(t.detach()).clone()
     dist.all_reduce(out, op=op)
@@ -225,7 +237,7 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
     """Mean over ranks (a copy, in ``t``'s dtype: give it a floating-point tensor)."""
     out = _all_reduce(t, dist.ReduceOp.SUM)
-    if world_size() > 1:
+    if not _single():
         out /= world_size()
     return out
 
@@ -247,7 +259,7 @@ def any_rank(flag: bool | torch.Tensor) -> bool:
     ``flag`` may be a bool tensor on the device (e.g. ``~torch.isfinite(loss)``): the all-reduce runs on
     the device and the one host sync is the final ``bool``.
     """
-    if world_size() == 1:
+    if _single():
         return bool(flag.any()) if isinstance(flag, torch.Tensor) else bool(flag)
     if isinstance(flag, torch.Tensor):
         t = to_device(flag.detach().reshape(-1).any().to(torch.float32).reshape(1))
@@ -263,7 +275,7 @@ def any_rank(flag: bool | torch.Tensor) -> bool:
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """``obj`` of rank ``src`` (picklable), on every rank. Torch moves the pickled bytes through the
     current device under NCCL: ``init_distributed`` chose it."""
-    if world_size() == 1:
+    if _single():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src)
@@ -272,7 +284,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 def all_gather_object(obj: Any) -> list:
     """Every rank's ``obj`` (picklable), in rank order, on every rank."""
-    if world_size() == 1:
+    if _single():
         return [obj]
     out: list = [None] * world_size()
     dist.all_gather_object(out, obj)
@@ -281,7 +293,7 @@ def all_gather_object(obj: Any) -> list:
 
 def barrier() -> None:
     """Wait for every rank (nothing without a process group)."""
-    if dist.is_initialized() and world_size() > 1:
+    if not _single():
         dist.barrier()
 
 
@@ -293,9 +305,9 @@ def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
 
     Two gathers: the counts, then the rows padded to the largest count.
     """
-    world = world_size()
-    if world == 1:
+    if _single():
         return t.detach()
+    world = world_size()
     x = to_device(t.detach())
     n = to_device(torch.tensor([x.shape[0]], dtype=torch.long))
     counts = [torch.zeros_like(n) for _ in range(world)]
@@ -317,7 +329,7 @@ def _gather_equal(x: torch.Tensor) -> torch.Tensor:
 
 def all_gather_cat(t: torch.Tensor) -> torch.Tensor:
     """Every rank's ``t`` (same shape on every rank) concatenated along dim 0 in rank order; no grad."""
-    if world_size() == 1:
+    if _single():
         return t.detach()
     return _back_home(_gather_equal(to_device(t.detach()).contiguous()), t)
 
@@ -353,13 +365,14 @@ class _AllGatherWithGrad(torch.autograd.Function):
 def all_gather_cat_with_grad(t: torch.Tensor) -> torch.Tensor:
     """``all_gather_cat`` whose backward reduces: the gradient of every rank's use of this rank's rows
     arrives back here, summed (the loss's ``--gather-with-grad``)."""
-    if world_size() == 1:
+    if _single():
         return t
     return _back_home(_AllGatherWithGrad.apply(to_device(t)), t)
 
 
 __all__ = [
     "GUARD_ENV",
+    "WORLD_OF_ONE_ENV",
     "DistInfo",
     "SimulatedDeviceTensor",
     "all_gather_cat",

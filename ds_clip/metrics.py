@@ -15,9 +15,13 @@ logger = logging.getLogger("ds_clip")
 
 
 def peak_memory_mib() -> float:
-    """Peak GPU memory allocated on this device, or this process's peak RSS on the CPU."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**20
+    """Peak memory of this rank: ``torch.cuda.max_memory_allocated`` on its accelerator device on GPUs
+    (what tensors held, not what the caching allocator reserved), this process's peak RSS on the CPU."""
+    from ds_clip.distributed import device
+
+    d = device()
+    if d.type == "cuda":
+        return torch.cuda.max_memory_allocated(d) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 

@@ -427,8 +427,13 @@ def test_gpu_check_dry_run_lists_every_command(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("+ ")]
     text = "\n".join(lines)
-    # install, then (a) 1-rank NCCL trainer run + resume + every helper, (b) bench, (c) exactness
-    assert "bash scripts/setup.sh" in text
+    # install (how is in --help), then (a) 1-rank NCCL trainer run + resume + every helper, (b) bench,
+    # (c) exactness
+    assert lines[0] in ("+ source .venv/bin/activate", "+ bash scripts/setup.sh") or "pip install" in lines[0]
+    helptext = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--help"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert "bash scripts/setup.sh" in helptext.stdout and "--dry-run" in helptext.stdout
     train = [ln for ln in lines if "ds-clip-train" in ln]
     assert len(train) == 2 and all("--nproc_per_node 1" in ln for ln in train), train
     for flag in ("--zero-stage 2", "--precision bf16", "--log-every-n-steps 1", "--val-data synthetic",
