@@ -247,6 +247,7 @@ def _rank_main(rank: int, world: int, port: int, report: str) -> None:
 
     D.init_distributed()
     _check_helpers(D, rank, world)
+    _check_loss_gathers(rank, world)
     D.barrier()
     # The same situations through the code before the fix, reported apart.
     os.environ[guard.REPORT_ENV] = str(report_dir / "old")
@@ -307,9 +308,34 @@ def _check_helpers(D, rank: int, world: int) -> None:
     assert leaf.grad.tolist() == (w[2 * rank : 2 * rank + 2] / (rank + 1) * 3).tolist()
 
 
+def _check_loss_gathers(rank: int, world: int) -> None:
+    """Every loss variant's gathers (forward and backward) go through the helpers: nothing flagged."""
+    from ds_clip.loss import ContrastiveLoss, LossSpec
+
+    specs = [
+        LossSpec(),
+        LossSpec(gather_with_grad=True),
+        LossSpec(local_loss=True, gather_with_grad=True),
+        LossSpec(siglip=True),
+        LossSpec(impl="tiled", tile_size=3),
+        LossSpec(local_loss=True, gather_with_grad=True, impl="tiled", tile_size=3),
+        LossSpec(siglip=True, impl="tiled", tile_size=3),
+    ]
+    torch.manual_seed(rank)
+    for spec in specs:
+        image = torch.nn.functional.normalize(torch.randn(4, 8), dim=-1).requires_grad_(True)
+        text = torch.nn.functional.normalize(torch.randn(4, 8), dim=-1).requires_grad_(True)
+        scale = torch.tensor(10.0, requires_grad=True)
+        bias = torch.tensor(-5.0, requires_grad=True) if spec.siglip else None
+        out = ContrastiveLoss(spec, rank=rank, world_size=world)(image, text, scale, bias)
+        out.backward_loss.backward()
+        assert image.grad is not None and text.grad is not None and scale.grad is not None
+
+
 @pytest.mark.distributed
 def test_helpers_on_two_ranks_and_guard_catches_the_old_bugs(tmp_path):
-    """On 2 gloo ranks with the guard on: every helper is right and flagged nowhere; the code before the
+    """On 2 gloo ranks with the guard on: every helper, and every loss variant's gathers (forward and
+    backward), are right and flagged nowhere; the code before the
     fix is flagged at each of the issue's three bugs (trainer's log-line all-reduce of a CPU tensor through
     the old all_reduce_mean, evaluation's CPU gathers and CPU max, checkpoint's own collectives)."""
     import torch.multiprocessing as mp
@@ -326,6 +352,7 @@ def test_helpers_on_two_ranks_and_guard_catches_the_old_bugs(tmp_path):
         "barrier",
     }
     assert not guard.offences(tmp_path / "new"), guard.format_offences(guard.offences(tmp_path / "new"))
+    assert "ds_clip.loss" in {m for r in new for m in r["modules"]}
     found = guard.offences(tmp_path / "old")
     text = guard.format_offences(found)
     print(text)
