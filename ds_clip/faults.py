@@ -1,11 +1,13 @@
 """Deterministic fault injection for the fault suite (tests/faults/), off unless asked for.
 
-    DS_CLIP_INJECT_FAULT="nan@3:1"          rank 1 feeds NaN images at optimizer step 3 (0-based)
+    DS_CLIP_INJECT_FAULT="nan@3:1"          rank 1 feeds NaN images in the 4th batch it trains (0-based)
     DS_CLIP_INJECT_FAULT="nan@2-:0"         rank 0 feeds NaN images from step 2 on
     DS_CLIP_INJECT_FAULT="kill@3:1"         rank 1 SIGKILLs itself at the start of step 3
     DS_CLIP_INJECT_FAULT="kill-in-save@4:1" rank 1 SIGKILLs itself while checkpoint 4 is half written
 
-Several faults are separated by commas. Real faults (a diverging run, a node lost, a preempted
+STEP is the 0-based index of the batch this process trains (its attempt count): equal to the optimizer
+step index while nothing is skipped, and it keeps counting through skipped steps, so "nan@1:1" poisons one
+batch, not every retry of update 2. Several faults are separated by commas. Real faults (a diverging run, a node lost, a preempted
 job, a full disk) are slow and random; these make the same outcomes reproducible in CI.
 """
 

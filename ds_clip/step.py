@@ -18,6 +18,10 @@ Phases, for k micro-batches of m pairs on each of W ranks (N = W·k·m):
    their RNG state restored). The logit_scale / logit_bias term is added once per step, to
    micro-batch 0's surrogate. Then one ``engine.step()``.
 
+Host syncs (GPU -> CPU waits) per optimizer step, whatever k is: one when W > 1 to agree on the
+micro-batch sizes before the loss's all-gather, one to agree on finiteness before any backward. Nothing
+per micro-batch; the loss and logit_scale stay on the device in ``StepResult`` until the loop logs them.
+
 No I/O and no logging here: the loop owns cadence and side effects.
 """
 
@@ -30,8 +34,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ds_clip.distributed import any_rank
+from ds_clip import distributed
 from ds_clip.loss import ContrastiveLoss
+
+
+class MicroBatchSizeError(ValueError):
+    """Ranks (or micro-batches) of one step hold different numbers of pairs: the loss's all-gather needs
+    equal shapes (gloo aborts, NCCL hangs or gathers garbage), so the step refuses before gathering."""
 
 
 @dataclass
@@ -45,7 +54,12 @@ class StepResult:
     micro_batches: int
     """k."""
     skipped: bool = False
-    """True when a non-finite loss or embedding gradient on any rank made every rank skip the update."""
+    """True when the update was not applied on any rank: a non-finite loss or embedding gradient on some
+    rank (ds_clip skips before any backward), or an fp16 overflow that DeepSpeed's loss scaler caught
+    (``engine.was_step_applied()`` is False). Either way the weights, the optimizer state and the LR
+    schedule did not move."""
+    overflow: bool = False
+    """The skip was DeepSpeed's (fp16 loss-scale overflow), not ds_clip's non-finite guard."""
 
 
 def micro_batch_seed(seed: int, step: int, global_micro_batch: int) -> int:
@@ -84,16 +98,43 @@ def frozen_batchnorm_stats(module: nn.Module) -> Iterator[None]:
             m.track_running_stats = True
 
 
-def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:
-    device_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # The generator of the engine's own device (not whichever GPU is "current"): patch dropout draws
+    # from the CPU generator, dropout on a GPU from that GPU's.
+    device_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return torch.get_rng_state(), device_state
 
 
-def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-    cpu, device = state
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
+    cpu, device_state = state
     torch.set_rng_state(cpu)
-    if device is not None:
-        torch.cuda.set_rng_state(device)
+    if device_state is not None:
+        torch.cuda.set_rng_state(device_state, device)
+
+
+def _to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    # non_blocking: a batch the DataLoader pinned is copied asynchronously (no host wait).
+    return t.to(device=device, dtype=dtype, non_blocking=True)
+
+
+def check_micro_batch_sizes(sizes: Sequence[int]) -> None:
+    """Refuse a step whose micro-batches differ in size, on this rank or across ranks.
+
+    One 2-int all-reduce (max of max and of -min) and one host sync per step; only when the sizes
+    differ do the ranks exchange their lists to name them. A collective: call on every rank.
+    """
+    lo, hi = min(sizes), max(sizes)
+    if distributed.world_size() > 1:
+        agreed = distributed.all_reduce_max(torch.tensor([hi, -lo], dtype=torch.int64)).tolist()
+        hi, lo = agreed[0], -agreed[1]
+    if lo != hi:
+        per_rank = distributed.all_gather_object(list(sizes)) if distributed.world_size() > 1 else [sizes]
+        shown = "; ".join(f"rank {r}: {list(s)}" for r, s in enumerate(per_rank))
+        raise MicroBatchSizeError(
+            f"micro-batches of one step must all hold the same number of pairs on every rank ({shown}); "
+            "the loaders drop partial batches, so this comes from a custom loader or a mismatched "
+            "--batch-size between ranks"
+        )
 
 
 def _dot(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -121,9 +162,12 @@ def cached_step(
     if micro_batch_seeds is not None and len(micro_batch_seeds) != k:
         raise ValueError(f"{len(micro_batch_seeds)} seeds for {k} micro-batches")
     dtype = input_dtype(engine)
-    device = engine.device
-    batches = [(i.to(device=device, dtype=dtype), t.to(device=device)) for i, t in micro_batches]
-    sizes = [b[0].shape[0] for b in batches]
+    device = torch.device(engine.device)
+    sizes = [int(i.shape[0]) for i, _ in micro_batches]
+    if any(int(t.shape[0]) != n for (_, t), n in zip(micro_batches, sizes)):
+        raise MicroBatchSizeError(f"images and texts of a micro-batch differ in count: {sizes}")
+    check_micro_batch_sizes(sizes)
+    batches = [(_to_device(i, device, dtype), _to_device(t, device)) for i, t in micro_batches]
 
     def seed(j: int) -> None:
         if micro_batch_seeds is not None:
@@ -138,11 +182,11 @@ def cached_step(
     with torch.no_grad(), frozen_batchnorm_stats(engine.module):
         for j in range(1, k):
             seed(j)
-            rng_states.append(_rng_state())
+            rng_states.append(_rng_state(device))
             out = engine(image=batches[j][0], text=batches[j][1])
             images.append(out["image_features"])
             texts.append(out["text_features"])
-    rng_after_embed = _rng_state()
+    rng_after_embed = _rng_state(device)
 
     # Phase 2: the loss over all N pairs, once, in fp32.
     image_leaf = torch.cat(images).float().requires_grad_(True)
@@ -159,10 +203,13 @@ def cached_step(
     # partial gradients behind. The cache pass computes the same values as the recompute (same RNG),
     # so a NaN/inf embedding, loss or embedding gradient is seen here. (fp16 overflow inside a
     # backward is DeepSpeed's loss scaler's to catch; it skips that step itself.)
-    finite = bool(torch.isfinite(result.value).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
-    if any_rank(not finite):
+    # One host sync: every check stays on the device until any_rank reads the single flag.
+    not_finite = ~torch.stack(
+        [torch.isfinite(result.value).all(), *(torch.isfinite(g).all() for g in grads)]
+    ).all()
+    if distributed.any_rank(not_finite):
         del out0, grads, result
-        _set_rng_state(rng_after_embed)
+        _set_rng_state(rng_after_embed, device)
         return StepResult(
             loss=torch.tensor(float("nan")),
             logit_scale=scale_out.detach().float().reshape(()),
@@ -179,7 +226,7 @@ def cached_step(
         if j == 0:
             out = out0
         else:
-            _set_rng_state(rng_states[j])
+            _set_rng_state(rng_states[j], device)
             out = engine(image=batches[j][0], text=batches[j][1])
         surrogate = _dot(out["image_features"], g_images[j]) + _dot(out["text_features"], g_texts[j])
         if j == 0:
@@ -190,11 +237,16 @@ def cached_step(
         engine.backward(surrogate)
         del out, surrogate
     del out0
-    _set_rng_state(rng_after_embed)
+    _set_rng_state(rng_after_embed, device)
     engine.step()
+    # False only when DeepSpeed's fp16 loss scaler found an overflow and skipped the update (and, as for
+    # ds_clip's own skip above, did not advance the LR scheduler). A Python bool: no host sync.
+    applied = engine.was_step_applied()
     return StepResult(
-        loss=result.value,
+        loss=result.value.detach(),
         logit_scale=scale_out.detach().float().reshape(()),
         local_samples=sum(sizes),
         micro_batches=k,
+        skipped=not applied,
+        overflow=not applied,
     )

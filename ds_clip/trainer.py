@@ -7,30 +7,24 @@ Shape of a run: settings -> resolved DeepSpeed JSON -> model, data, engine -> re
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from ds_clip import checkpoint, evaluate, faults
+from ds_clip import checkpoint, distributed, evaluate, faults
+from ds_clip.clamp import clamp_logit_scale
 from ds_clip.config import TrainSettings, settings_to_dict
 from ds_clip.data import DataSettings, build_train_data
-from ds_clip.distributed import DistInfo, all_reduce_mean, init_distributed
+from ds_clip.distributed import DistInfo, init_distributed
 from ds_clip.ds_config import resolve_ds_config, write_run_files
-from ds_clip.loss import ContrastiveLoss, LossSpec, resolve_impl
+from ds_clip.engine import build_engine, build_model_bundle
 from ds_clip.metrics import MetricsWriter, peak_memory_mib
-from ds_clip.model import build_model, param_groups, prepare_for_deepspeed
 from ds_clip.preemption import StopRequest
-from ds_clip.schedule import build_scheduler
 from ds_clip.step import cached_step, micro_batch_seed
 
 logger = logging.getLogger("ds_clip")
-
-# open_clip clamps the learned temperature so that exp(logit_scale) <= 100.
-LOGIT_SCALE_MAX = math.log(100)
 # A synthetic run without --train-num-samples trains this many pairs per epoch.
 DEFAULT_SYNTHETIC_SAMPLES = 25_600
 
@@ -42,48 +36,21 @@ class NonFiniteError(RuntimeError):
 @dataclass
 class TrainSummary:
     steps: int
+    """Applied optimizer updates (what --max-steps counts)."""
     samples_seen: int
+    """Pairs trained by applied updates: steps * N."""
     final_loss: float
     run_dir: Path
+    skipped_steps: int = 0
+    """Batches whose update was skipped (non-finite on some rank, or an fp16 overflow)."""
 
 
 def _broadcast_name(name: str, info: DistInfo) -> str:
     # Every rank parses its own timestamped default name; rank 0's wins so all write one folder.
-    box = [name]
-    if info.world_size > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def clamp_logit_scale(engine) -> None:
-    """Clamp logit_scale to [0, ln 100] in the engine's working copy and in its fp32 master copy.
-
-    Every rank must call this (reading a ZeRO-partitioned master value is a collective).
-    """
-    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
-
-    p = engine.module.logit_scale
-    master = safe_get_full_fp32_param(p)
-    with torch.no_grad():
-        if master is None:  # ZeRO-0 fp32: the parameter is its own master
-            p.clamp_(0, LOGIT_SCALE_MAX)
-            return
-        if bool(((master < 0) | (master > LOGIT_SCALE_MAX)).any()):
-            clamped = master.clamp(0, LOGIT_SCALE_MAX)
-            safe_set_full_fp32_param(p, clamped)
-            if hasattr(p, "ds_id"):  # ZeRO-3: rewrite the low-precision shard too
-                import deepspeed
-
-                with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
-                    if dist.get_rank() == 0:
-                        p.data.copy_(clamped.to(p.dtype).view_as(p.data))
-            else:
-                p.data.copy_(clamped.to(p.dtype).view_as(p.data))
+    return distributed.broadcast_object(name) if info.world_size > 1 else name
 
 
 def train(s: TrainSettings) -> TrainSummary:
-    import deepspeed
-
     # Before any process group: an unusable output folder is a one-line error, not a crash at save time.
     checkpoint.check_writable(Path(s.logs))
     info = init_distributed(timeout_s=s.dist_timeout)
@@ -99,16 +66,8 @@ def train(s: TrainSettings) -> TrainSummary:
     )
     logging.getLogger("ds_clip").setLevel(logging.INFO if info.is_main else logging.WARNING)
 
-    from ds_clip.export import resolve_pretrained
-
-    bundle = build_model(
-        s.model,
-        pretrained=resolve_pretrained(s.pretrained),  # an exported folder or a weights file
-        seed=s.seed,
-        grad_checkpointing=s.grad_checkpointing,
-    )
+    bundle = build_model_bundle(s)
     model = bundle.model
-    prepare_for_deepspeed(model)
     model_shapes = checkpoint.param_shapes(model)  # checked against a checkpoint before DeepSpeed loads it
     checkpoint.check_output_space(run_dir, sum(p.numel() for p in model.parameters()), s.precision)
 
@@ -137,22 +96,8 @@ def train(s: TrainSettings) -> TrainSummary:
         accum_freq=k,
     )
     total_steps = s.max_steps or s.epochs * data.steps_per_epoch
-    engine, *_ = deepspeed.initialize(
-        model=model,
-        model_parameters=param_groups(model, s.wd),
-        config=ds_json,
-        lr_scheduler=lambda opt: build_scheduler(opt, warmup=s.warmup, total=total_steps),
-    )
-    loss_fn = ContrastiveLoss(
-        LossSpec(
-            siglip=s.siglip,
-            local_loss=s.local_loss,
-            gather_with_grad=s.gather_with_grad,
-            impl=resolve_impl(s.loss_impl, global_batch),
-        ),
-        rank=info.rank,
-        world_size=w,
-    )
+    built = build_engine(s, bundle, rank=info.rank, world_size=w, total_steps=total_steps)
+    engine, loss_fn = built.engine, built.loss_fn
 
     # ---- checkpoints and evaluation (issue 9): what a save records, what an evaluation needs
     import open_clip
@@ -235,8 +180,14 @@ def train(s: TrainSettings) -> TrainSummary:
     )
     engine.train()
     stop = StopRequest().install()
+    # Counting rule (README, "Skipped steps"): `step` counts *applied* updates. It is what --max-steps,
+    # the LR schedule (DeepSpeed does not advance it on an fp16 overflow, ds_clip does not call
+    # engine.step() on its own skips), checkpoint tags and samples_seen = step * N count. A skipped
+    # batch is consumed (the data position moves on), counted in skipped_steps, and the next batch
+    # trains the same update number.
     consecutive_skips = skipped_steps = 0
-    last_loss = float("nan")
+    attempts = 0  # batches taken from the loader since this process started (fault injection keys on it)
+    last_loss = last_scale = None  # device tensors: read on the host only at log steps
     window_samples, window_time, window_data, window_start = 0, 0.0, 0.0, time.perf_counter()
     try:
         while step < total_steps:
@@ -246,23 +197,28 @@ def train(s: TrainSettings) -> TrainSummary:
                 t_step = time.perf_counter()
                 seeds = [micro_batch_seed(s.seed, step, g) for g in batch.micro_batch_ids]
                 micro_batches = batch.micro_batches
-                faults.maybe_kill("kill", step, info.rank)
-                if faults.active("nan", step, info.rank):
+                faults.maybe_kill("kill", attempts, info.rank)
+                if faults.active("nan", attempts, info.rank):
                     micro_batches = [
                         (torch.full_like(micro_batches[0][0], float("nan")), micro_batches[0][1])
                     ]
                     micro_batches += batch.micro_batches[1:]
+                attempts += 1
                 result = cached_step(engine, micro_batches, loss_fn, micro_batch_seeds=seeds)
                 if result.skipped:
                     consecutive_skips += 1
                     skipped_steps += 1
                     if info.is_main:
                         logger.warning(
-                            "step %d: non-finite loss or gradient on at least one rank: update skipped on every "
-                            "rank (%d in a row, %d in total)",
+                            "step %d: %s: update skipped on every rank (%d in a row, %d in total); the "
+                            "next batch trains step %d",
                             step + 1,
+                            "fp16 loss-scale overflow (DeepSpeed lowers the scale)"
+                            if result.overflow
+                            else "non-finite loss or gradient on at least one rank",
                             consecutive_skips,
                             skipped_steps,
+                            step + 1,
                         )
                     if consecutive_skips >= s.max_skipped_steps:
                         raise NonFiniteError(
@@ -274,18 +230,18 @@ def train(s: TrainSettings) -> TrainSummary:
                 else:
                     consecutive_skips = 0
                     clamp_logit_scale(engine)
-                step += 1
-                step_time = time.perf_counter() - t_step
-                window_samples += global_batch
-                window_time += step_time
+                    step += 1
+                    last_loss, last_scale = result.loss, result.logit_scale
+                    window_samples += global_batch
+                window_time += time.perf_counter() - t_step
                 window_data += data_time
-                last_loss = float(result.loss)
                 if writer is not None:
                     writer.step_done()
-                if step % s.log_every_n_steps == 0 or step == total_steps:
+                applied = not result.skipped
+                if applied and (step % s.log_every_n_steps == 0 or step == total_steps):
                     # Samples/s counts every pair of the step: k micro-batches x m pairs x W ranks.
                     elapsed = time.perf_counter() - window_start
-                    skipped = all_reduce_mean(torch.tensor(float(sum(data.skip_counts.values())))) * w
+                    skipped = distributed.all_reduce_sum(torch.tensor(float(sum(data.skip_counts.values()))))
                     if writer is not None:
                         steps_in_window = max(1, round(window_samples / global_batch))
                         writer.log(
@@ -294,8 +250,8 @@ def train(s: TrainSettings) -> TrainSummary:
                                 "total_steps": total_steps,
                                 "epoch": epoch,
                                 "samples_seen": step * global_batch,
-                                "loss": last_loss,
-                                "logit_scale": float(result.logit_scale),
+                                "loss": float(last_loss),  # host sync: log steps only
+                                "logit_scale": float(last_scale),
                                 "lr": engine.get_lr()[0],
                                 "samples_per_s": window_samples / elapsed,
                                 "samples_per_s_per_rank": window_samples / elapsed / w,
@@ -309,14 +265,15 @@ def train(s: TrainSettings) -> TrainSummary:
                     window_samples, window_time, window_data, window_start = 0, 0.0, 0.0, time.perf_counter()
                 # A skipped step changed nothing worth a checkpoint: the last one stays the last good one.
                 if (
-                    s.save_every_n_steps
+                    applied
+                    and s.save_every_n_steps
                     and step % s.save_every_n_steps == 0
                     and step < total_steps
-                    and not result.skipped
                 ):
                     save(step)
                 if (
-                    val_settings
+                    applied
+                    and val_settings
                     and s.val_every_n_steps
                     and step % s.val_every_n_steps == 0
                     and step < total_steps
@@ -335,9 +292,12 @@ def train(s: TrainSettings) -> TrainSummary:
                             step,
                             s.name,
                         )
-                    return TrainSummary(step, step * global_batch, last_loss, run_dir)
+                    return TrainSummary(step, step * global_batch, _host(last_loss), run_dir, skipped_steps)
                 t_data = time.perf_counter()
-            epoch, start_in_epoch = epoch + 1, 0
+            else:
+                epoch, start_in_epoch = epoch + 1, 0
+                continue
+            break
         if val_settings:
             run_eval(step)
         save(step)
@@ -345,12 +305,18 @@ def train(s: TrainSettings) -> TrainSummary:
         stop.uninstall()
         if writer is not None:
             writer.close()
+    final_loss = _host(last_loss)
     if info.is_main:
         logger.info(
-            "done: %d steps, %d samples, final loss %.4f, run folder %s",
+            "done: %d steps, %d samples, %d skipped, final loss %.4f, run folder %s",
             step,
             step * global_batch,
-            last_loss,
+            skipped_steps,
+            final_loss,
             run_dir,
         )
-    return TrainSummary(step, step * global_batch, last_loss, run_dir)
+    return TrainSummary(step, step * global_batch, final_loss, run_dir, skipped_steps)
+
+
+def _host(t: torch.Tensor | None) -> float:
+    return float("nan") if t is None else float(t)

@@ -1,0 +1,66 @@
+"""The one engine builder: settings -> open_clip model, resolved DeepSpeed JSON, optimizer, LR schedule and
+contrastive loss. ``ds-clip-train`` builds its engine here, and so do the tests and the demo that prove
+what it trains, so a proof covers exactly what ships (the shipped presets, DeepSpeed's config-built
+AdamW or CPU Adam under offload, the schedule, the clamp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ds_clip.config import TrainSettings
+from ds_clip.ds_config import resolve_ds_config
+from ds_clip.loss import ContrastiveLoss, LossSpec, resolve_impl
+from ds_clip.model import ModelBundle, build_model, param_groups, prepare_for_deepspeed
+from ds_clip.schedule import build_scheduler
+
+
+@dataclass
+class BuiltEngine:
+    engine: Any
+    """The DeepSpeed engine (``engine.module`` is the open_clip model)."""
+    loss_fn: ContrastiveLoss
+    ds_config: dict[str, Any]
+    """The resolved DeepSpeed JSON the engine was built from (written to the run folder)."""
+
+
+def build_model_bundle(s: TrainSettings) -> ModelBundle:
+    """The open_clip model (seeded by --seed, made DeepSpeed-safe) with its tokenizer and transforms."""
+    from ds_clip.export import resolve_pretrained
+
+    bundle = build_model(
+        s.model,
+        pretrained=resolve_pretrained(s.pretrained),  # an exported folder or a weights file
+        seed=s.seed,
+        grad_checkpointing=s.grad_checkpointing,
+    )
+    prepare_for_deepspeed(bundle.model)
+    return bundle
+
+
+def build_engine(
+    s: TrainSettings, bundle: ModelBundle, *, rank: int, world_size: int, total_steps: int
+) -> BuiltEngine:
+    """DeepSpeed engine and loss for ``bundle.model``; every rank calls it (``deepspeed.initialize`` is a
+    collective). ``total_steps`` is the length of the LR schedule in optimizer steps."""
+    import deepspeed
+
+    ds_json = resolve_ds_config(s, world_size)
+    engine, *_ = deepspeed.initialize(
+        model=bundle.model,
+        model_parameters=param_groups(bundle.model, s.wd),
+        config=ds_json,
+        lr_scheduler=lambda opt: build_scheduler(opt, warmup=s.warmup, total=total_steps),
+    )
+    loss_fn = ContrastiveLoss(
+        LossSpec(
+            siglip=s.siglip,
+            local_loss=s.local_loss,
+            gather_with_grad=s.gather_with_grad,
+            impl=resolve_impl(s.loss_impl, world_size * s.accum_freq * s.batch_size),
+        ),
+        rank=rank,
+        world_size=world_size,
+    )
+    return BuiltEngine(engine=engine, loss_fn=loss_fn, ds_config=ds_json)
