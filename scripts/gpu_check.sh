@@ -11,7 +11,7 @@
 #     group (a CPU tensor in one raises "No backend type associated with device type cpu"), and
 #     scripts/gpu_check_collectives.py calls every helper of ds_clip.distributed on CPU and GPU tensors.
 # (b) Cost of --accum-freq: the cached step vs the plain DeepSpeed step vs open_clip_train, ViT-B-32, 224 px,
-#     bf16, k in {1, 4, 8}, peak memory from torch.cuda.max_memory_allocated (ds-clip-bench).
+#     bf16, k in {1, 4, 8}, peak memory from torch.cuda.max_memory_allocated (benchmarks/bench_accum.py).
 # (c) Exactness: k=4 x m vs k=1 x 4m on one GPU, fp32 with TF32 off: relative gradient error per parameter
 #     (scripts/gpu_check_exactness.py), failing above 1e-4.
 # Every part fails loudly: any error stops the script with a non-zero exit and names the part.
@@ -106,8 +106,9 @@ else
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 
-# The bench's console script (benchmarks/bench_accum.py behind it); the file itself where none is installed.
-if [ "$DRY_RUN" = 1 ] || ds-clip-bench --help >/dev/null 2>&1; then
+# The bench is a tool beside the package (benchmarks/bench_accum.py; its old console script ds-clip-bench
+# is gone from the wheel): run the file, or ds-clip-bench where an install still provides a working one.
+if [ "$DRY_RUN" = 0 ] && ds-clip-bench --help >/dev/null 2>&1; then
     BENCH=(ds-clip-bench)
 else
     BENCH=(python benchmarks/bench_accum.py)

@@ -469,7 +469,7 @@ def test_gpu_check_dry_run_lists_every_command(tmp_path):
     assert "--resume latest" in train[1] and "--resume" not in train[0]
     helpers = [ln for ln in lines if "scripts/gpu_check_collectives.py" in ln]
     assert len(helpers) == 1 and "--nproc_per_node 1" in helpers[0]
-    bench = [ln for ln in lines if "ds-clip-bench" in ln]
+    bench = [ln for ln in lines if "benchmarks/bench_accum.py" in ln]
     assert len(bench) == 1
     for flag in ("--models ViT-B-32", "--image-size 224", "--precision bf16", "--k 1 4 8", "--open-clip",
                  "--device cuda"):  # fmt: skip
