@@ -125,7 +125,8 @@ def check_micro_batch_sizes(sizes: Sequence[int]) -> None:
     """
     lo, hi = min(sizes), max(sizes)
     if distributed.world_size() > 1:
-        agreed = distributed.all_reduce_max(torch.tensor([hi, -lo], dtype=torch.int64)).tolist()
+        local = distributed.to_device(torch.tensor([hi, -lo], dtype=torch.int64))
+        agreed = distributed.all_reduce_max(local).tolist()  # the one host sync
         hi, lo = agreed[0], -agreed[1]
     if lo != hi:
         per_rank = distributed.all_gather_object(list(sizes)) if distributed.world_size() > 1 else [sizes]
