@@ -44,7 +44,7 @@ def _run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
 def _train_args(model: str, logs: Path, name: str, *extra: str, steps: int = STEPS) -> list[str]:
     return [
         "--model", model, "--batch-size", str(M), "--accum-freq", str(K), "--max-steps", str(steps),
-        "--log-every-n-steps", "1", "--logs", str(logs), "--name", name, "--workers", "0",
+        "--log-every-n-steps", "1", "--logs", str(logs), "--name", name, "--workers", "1",
         "--report-to", "csv,tensorboard", "--warmup", "1", *extra,
     ]  # fmt: skip
 

@@ -97,7 +97,7 @@ def _env(fault: str | None = None) -> dict[str, str]:
 def _args(model: str, logs: Path, name: str, *extra: str, steps: int = 6) -> list[str]:
     return [
         "--model", model, "--batch-size", str(M), "--accum-freq", str(K), "--max-steps", str(steps),
-        "--log-every-n-steps", "1", "--logs", str(logs), "--name", name, "--workers", "0",
+        "--log-every-n-steps", "1", "--logs", str(logs), "--name", name, "--workers", "1",
         "--report-to", "csv", "--warmup", "1", *extra,
     ]  # fmt: skip
 
@@ -272,9 +272,14 @@ def reference(model_dir, tmp_path_factory) -> Path:
 
 
 def test_one_nonfinite_step_is_skipped_on_every_rank_and_the_run_finishes(model_dir, tmp_path):
-    """NaN images on rank 1 at step index 1 only: both ranks skip that update together, rank 0 says so
-    naming the step, the log lines count `skipped_steps 1` from then on, and the run ends normally."""
-    ran = _deepspeed(_args(model_dir, tmp_path, "nan1", steps=3), fault="nan@1:1")
+    """NaN images on every rank in the 2nd batch (index 1) only: both ranks skip that update together, rank
+    0 says so naming the update it was to be, and the run still trains 3 applied updates (4 batches). The
+    counts agree with the applied updates (README, "Skipped steps"): samples_seen = step x N in every log
+    row, skipped_steps 1 from then on, and the LR of every row is the schedule's value at that applied
+    step (the skip did not advance it)."""
+    from ds_clip.schedule import cosine_with_warmup
+
+    ran = _deepspeed(_args(model_dir, tmp_path, "nan1", "--lr", "1e-3", steps=3), fault="nan@1:0,nan@1:1")
     assert ran.returncode == 0, ran.out[-4000:]
     skipped = [line for line in ran.out.splitlines() if "update skipped on every rank" in line]
     assert len(skipped) == 1, ran.out[-4000:]
@@ -285,7 +290,17 @@ def test_one_nonfinite_step_is_skipped_on_every_rank_and_the_run_finishes(model_
     assert sorted(steps) == [1, 2, 3], ran.stdout[-3000:]
     assert "skipped_steps" not in steps[1]
     assert "skipped_steps 1" in steps[2] and "skipped_steps 1" in steps[3]
+    rows = list(csv.DictReader((tmp_path / "nan1" / "metrics.csv").open()))
+    assert [int(r["step"]) for r in rows] == [1, 2, 3]
+    for r in rows:
+        step = int(r["step"])
+        assert int(r["samples_seen"]) == step * K * M * W, r
+        assert float(r["lr"]) == pytest.approx(
+            1e-3 * cosine_with_warmup(step, warmup=1, total=3), abs=1e-12
+        ), r
+    assert [int(r["skipped_steps"]) for r in rows] == [0, 1, 1]
     assert _latest(tmp_path / "nan1") == _tag(3)
+    assert "3 steps" in ran.out and "1 skipped" in ran.out
 
 
 def test_consecutive_nonfinite_steps_stop_the_run_and_keep_the_last_good_checkpoint(model_dir, tmp_path):
@@ -321,27 +336,41 @@ def test_dead_rank_under_deepspeed_launcher_ends_the_job(model_dir, tmp_path):
     assert not alive, f"rank processes left behind: {[p.pid for p in alive]}"
 
 
-def test_dead_rank_without_launcher_then_resume_matches_unfaulted_run(model_dir, tmp_path, reference):
-    """Two ranks started by hand (--dist-timeout 30); rank 1 SIGKILLed at the start of step index 3.
-    Rank 0 exits non-zero within the bound with one `ds-clip-train: error:` line about losing another
-    rank. `--resume latest` continues from step 2 and reaches bit-for-bit the weights (and losses) of
-    the unfaulted run."""
-    args = _args(model_dir, tmp_path, "dead", "--save-every-n-steps", "2", "--dist-timeout", "30")
-    rank0, rank1 = _ranks_by_hand(args, tmp_path / "first", fault="kill@3:1")
+KILL_ARGS = ("--zero-stage", "2", "--save-every-n-steps", "10", "--dist-timeout", "30")
+KILL_STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def reference_z2(model_dir, tmp_path_factory) -> Path:
+    """An unfaulted 2-rank ZeRO-2 run of 30 steps (the user's defaults: random crops, --workers 1)."""
+    logs = tmp_path_factory.mktemp("reference_z2")
+    ran = _ranks_by_hand(_args(model_dir, logs, "ref", *KILL_ARGS, steps=KILL_STEPS), logs / "out")
+    assert ran[0].returncode == 0 and ran[1].returncode == 0, ran[0].out[-3000:] + ran[1].out[-2000:]
+    return logs / "ref"
+
+
+def test_dead_rank_without_launcher_then_resume_matches_unfaulted_run(model_dir, tmp_path, reference_z2):
+    """Two ranks started by hand (--dist-timeout 30), ZeRO-2, 30 steps, --workers 1, open_clip's random
+    crops; rank 1 SIGKILLed at the start of step index 15, after the checkpoint of step 10. Rank 0 exits
+    non-zero within the bound with one `ds-clip-train: error:` line about losing another rank.
+    `--resume latest` continues from step 10 and reaches bit-for-bit the weights (and losses) of the
+    unfaulted run."""
+    args = _args(model_dir, tmp_path, "dead", *KILL_ARGS, steps=KILL_STEPS)
+    rank0, rank1 = _ranks_by_hand(args, tmp_path / "first", fault="kill@15:1")
     assert rank1.returncode == -signal.SIGKILL, rank1.out[-2000:]
     assert rank0.returncode != 0, rank0.out[-3000:]
     errors = _error_lines(rank0.stderr)
     assert len(errors) == 1 and "another rank" in errors[0], rank0.stderr[-3000:]
     assert "Traceback" not in rank0.stderr
     run = tmp_path / "dead"
-    assert _latest(run) == _tag(2)
+    assert _latest(run) == _tag(10)
 
     rank0, rank1 = _ranks_by_hand([*args, "--resume", "latest"], tmp_path / "resume")
     assert rank0.returncode == 0 and rank1.returncode == 0, rank0.out[-3000:] + rank1.out[-2000:]
-    assert "resumed from" in rank0.out and "at step 2" in rank0.out
-    assert _latest(run) == _tag(6)
-    assert _losses(run) == _losses(reference)
-    _assert_same_weights(_weights(run, 6), _weights(reference, 6))
+    assert "resumed from" in rank0.out and "at step 10" in rank0.out
+    assert _latest(run) == _tag(KILL_STEPS)
+    assert _losses(run) == _losses(reference_z2)
+    _assert_same_weights(_weights(run, KILL_STEPS), _weights(reference_z2, KILL_STEPS))
 
 
 # -------------------------------------------------------------------------------------- 3. preemption
