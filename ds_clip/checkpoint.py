@@ -34,6 +34,7 @@ import torch
 from ds_clip import faults
 from ds_clip.distributed import barrier as _barrier
 from ds_clip.distributed import broadcast_object, rank, world_size
+from ds_clip.errors import RunError, UserError
 
 logger = logging.getLogger("ds_clip")
 
@@ -45,7 +46,7 @@ TAG_PREFIX = "step_"
 UNIVERSAL_PREFIX = "universal_from_"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RunError):
     """A checkpoint that is missing, partial, unreadable or from an incompatible run."""
 
 
@@ -240,7 +241,7 @@ def check_writable(logs: Path) -> None:
         raise OutputError(f"--logs {logs} is not a writable folder: {exc.strerror or exc}") from exc
 
 
-class OutputError(ValueError):
+class OutputError(UserError):
     """The output folder cannot take the run (not writable, too little space)."""
 
 
@@ -556,3 +557,56 @@ def _copy_slice(dst: torch.Tensor, full: torch.Tensor, rank: int) -> None:
     flat.zero_()
     if take:
         flat[:take].copy_(full[start : start + take].to(flat.dtype))
+
+
+# ----------------------------------------------------------------------------------------- the cadence
+
+
+class Checkpointer:
+    """When the trainer saves, and what a save records: owns ``--save-every-n-steps``, ``--keep-checkpoints``
+    and ``--resume``. Every rank holds one and calls every method (saves and loads are collectives)."""
+
+    def __init__(
+        self,
+        engine,
+        run_dir: Path,
+        data,
+        *,
+        settings: dict[str, Any],
+        meta: dict[str, Any],
+        every_n_steps: int,
+        keep: int | None,
+        global_batch: int,
+    ) -> None:
+        self.engine, self.run_dir, self.data = engine, Path(run_dir), data
+        self.settings, self.meta = settings, meta
+        self.every_n_steps, self.keep, self.global_batch = every_n_steps, keep, global_batch
+
+    def save(self, step: int) -> Path:
+        meta = {**self.meta, "epoch": self.data.epoch, "samples_seen": step * self.global_batch}
+        return save(
+            self.engine, self.run_dir, step, self.data.state_dict(), self.settings, meta=meta, keep=self.keep
+        )
+
+    def maybe_save(self, step: int, total_steps: int) -> None:
+        """Save on the cadence; the last step is saved by ``save`` at the end of the run, once."""
+        if self.every_n_steps and step % self.every_n_steps == 0 and step < total_steps:
+            self.save(step)
+
+    def resume(self, resume: str, *, shapes: dict[str, list[int]], is_main: bool) -> int:
+        """Load ``--resume`` into the engine and the data position; returns the step to continue from."""
+        if is_main:
+            for p in remove_partial(self.run_dir / "checkpoints"):
+                logger.warning("removed partial checkpoint %s (a save that was cut short)", p)
+        state = load(self.engine, self.run_dir, resume, shapes=shapes, global_batch=self.global_batch)
+        self.data.load_state_dict(state["data"])
+        if is_main:
+            logger.info(
+                "resumed from %s at step %d (epoch %d, step %d in epoch)%s",
+                state["path"],
+                state["step"],
+                self.data.epoch,
+                self.data.step_in_epoch,
+                " on a new world size / ZeRO stage" if state["resharded"] else "",
+            )
+        return int(state["step"])

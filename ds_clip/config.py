@@ -21,6 +21,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from ds_clip.errors import UserError
+
 BUILTIN_MODELS = ("ds-clip-tiny", "ds-clip-tiny-siglip")
 PRECISIONS = ("fp32", "bf16", "fp16")
 LOSS_IMPLS = ("auto", "dense", "tiled")
@@ -29,7 +31,7 @@ REPORTERS = ("tensorboard", "csv", "wandb")
 LOCAL_DIR_PREFIX = "local-dir:"
 
 
-class SettingsError(ValueError):
+class SettingsError(UserError):
     """Bad user input. The message is one line naming the flag (or file, or JSON key) at fault.
 
     The entry point prints `ds-clip-train: error: <message>` and exits with status 2, like argparse.

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_clip.distributed import all_gather_rows, all_reduce_max
+from ds_clip.errors import UserError
 
 logger = logging.getLogger("ds_clip")
 
@@ -53,7 +54,7 @@ _CHUNK = 1024  # rows of the similarity matrix held at once: memory O(chunk * N_
 Forward = Callable[..., dict]
 
 
-class EvalError(ValueError):
+class EvalError(UserError):
     """Bad evaluation input (a flag, file or pattern); the message names it."""
 
 
@@ -578,3 +579,40 @@ __all__ = [
     "zeroshot_accuracy",
     "zeroshot_classifier",
 ]
+
+
+# ----------------------------------------------------------------------------------------- the cadence
+
+
+class Evaluator:
+    """When the trainer evaluates: owns ``--val-every-n-steps`` and the final evaluation. Every rank holds
+    one and calls every method (each rank embeds its slice: a collective); rank 0 reports."""
+
+    def __init__(
+        self,
+        engine,
+        settings: EvalSettings | None,
+        *,
+        preprocess,
+        tokenizer,
+        run_dir: Path,
+        every_n_steps: int | None,
+        is_main: bool,
+    ) -> None:
+        self.engine, self.settings = engine, settings
+        self.preprocess, self.tokenizer = preprocess, tokenizer
+        self.run_dir, self.every_n_steps, self.is_main = Path(run_dir), every_n_steps, is_main
+
+    def run(self, step: int, tb_writer=None) -> None:
+        if self.settings is None:
+            return
+        metrics = run_on_engine(
+            self.engine, self.settings, preprocess=self.preprocess, tokenizer=self.tokenizer
+        )
+        if self.is_main:
+            report(self.run_dir, step, metrics, tb_writer)
+
+    def maybe_run(self, step: int, total_steps: int, tb_writer=None) -> None:
+        """Evaluate on the cadence; the last step is evaluated by ``run`` at the end of the run, once."""
+        if self.every_n_steps and step % self.every_n_steps == 0 and step < total_steps:
+            self.run(step, tb_writer)

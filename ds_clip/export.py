@@ -24,12 +24,13 @@ from pathlib import Path
 import torch
 
 from ds_clip.checkpoint import CheckpointError, read_meta, resolve, safe_load
+from ds_clip.errors import UserError
 
 WEIGHTS_FILE = "open_clip_model.safetensors"
 CONFIG_FILE = "open_clip_config.json"
 
 
-class ExportError(ValueError):
+class ExportError(UserError):
     """Bad export input; the message names the path."""
 
 

@@ -39,6 +39,7 @@ import torch
 from open_clip.loss import ClipLoss, SigLipLoss
 
 from ds_clip.distributed import all_gather_cat, all_gather_cat_with_grad, all_reduce_mean
+from ds_clip.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def resolve_impl(impl: str, global_batch: int) -> str:
     return impl
 
 
-class LossConfigError(ValueError):
+class LossConfigError(UserError):
     """A loss configuration that would not train the full-batch objective."""
 
 

@@ -6,6 +6,7 @@ import csv
 import logging
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -110,3 +111,60 @@ class MetricsWriter:
             self.csv_file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+class StepMeter:
+    """Owns ``--log-every-n-steps``: times the steps of one logging window and turns them into a log row.
+
+    Samples/s counts every pair of an applied step: k micro-batches x m pairs x W ranks (open_clip once
+    shipped without the factor k). The loss and logit_scale stay device tensors until a row is made: the
+    only host reads are at log steps.
+    """
+
+    def __init__(self, *, every_n_steps: int, total_steps: int, global_batch: int, world_size: int) -> None:
+        self.every_n_steps, self.total_steps = every_n_steps, total_steps
+        self.global_batch, self.world_size = global_batch, world_size
+        self.loss = self.logit_scale = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.samples, self.step_time, self.data_time = 0, 0.0, 0.0
+        self.start = time.perf_counter()
+
+    def record(self, result, *, data_time: float, step_time: float) -> None:
+        self.step_time += step_time
+        self.data_time += data_time
+        if not result.skipped:
+            self.samples += self.global_batch
+            self.loss, self.logit_scale = result.loss, result.logit_scale
+
+    def should_log(self, step: int) -> bool:
+        return step % self.every_n_steps == 0 or step == self.total_steps
+
+    def row(
+        self, *, step: int, epoch: int, lr: float, skipped_samples: int, skipped_steps: int
+    ) -> dict[str, Any]:
+        """The log row of the window ending at ``step``; starts the next window."""
+        elapsed = time.perf_counter() - self.start
+        steps = max(1, round(self.samples / self.global_batch))
+        row = {
+            "step": step,
+            "total_steps": self.total_steps,
+            "epoch": epoch,
+            "samples_seen": step * self.global_batch,
+            "loss": self.final_loss(),  # host sync: log steps only
+            "logit_scale": float("nan") if self.logit_scale is None else float(self.logit_scale),
+            "lr": lr,
+            "samples_per_s": self.samples / elapsed,
+            "samples_per_s_per_rank": self.samples / elapsed / self.world_size,
+            "data_time_s": self.data_time / steps,
+            "step_time_s": self.step_time / steps,
+            "peak_mem_mib": peak_memory_mib(),
+            "skipped_samples": skipped_samples,
+            "skipped_steps": skipped_steps,
+        }
+        self._reset()
+        return row
+
+    def final_loss(self) -> float:
+        return float("nan") if self.loss is None else float(self.loss)

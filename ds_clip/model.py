@@ -23,13 +23,15 @@ import open_clip
 import torch
 from torch import nn
 
+from ds_clip.errors import UserError
+
 BUILTIN_CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
 # Registered with open_clip so the built-in names work anywhere open_clip resolves model names.
 open_clip.add_model_config(BUILTIN_CONFIG_DIR)
 BUILTIN_MODELS = sorted(p.stem for p in BUILTIN_CONFIG_DIR.glob("*.json"))
 
 
-class ModelError(ValueError):
+class ModelError(UserError):
     """A model name or weight file that cannot be used (names the flag)."""
 
 

@@ -30,6 +30,8 @@ import time
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 
+from ds_clip.errors import RunError
+
 MAGIC = "DSCLIP-PREFLIGHT"
 DEFAULT_TIMEOUT_S = 300.0
 TIMEOUT_ENV = "DS_CLIP_PREFLIGHT_TIMEOUT_S"
@@ -42,7 +44,7 @@ RETRY_PAUSE_S = 0.25
 HANGUP_WAIT_S = 10.0
 
 
-class PreflightError(RuntimeError):
+class PreflightError(RunError):
     """A rank cannot reach the master, or the master did not hear from every rank in time."""
 
 

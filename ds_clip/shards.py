@@ -24,11 +24,13 @@ from dataclasses import dataclass
 
 from PIL import Image
 
+from ds_clip.errors import UserError
+
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 SHARD_PATTERN = "%05d.tar"
 
 
-class ShardError(Exception):
+class ShardError(UserError):
     """Bad input: reported as one line, exit status 2."""
 
 

@@ -35,10 +35,11 @@ import torch
 from torch import nn
 
 from ds_clip import distributed
+from ds_clip.errors import UserError
 from ds_clip.loss import ContrastiveLoss
 
 
-class MicroBatchSizeError(ValueError):
+class MicroBatchSizeError(UserError):
     """Ranks (or micro-batches) of one step hold different numbers of pairs: the loss's all-gather needs
     equal shapes (gloo aborts, NCCL hangs or gathers garbage), so the step refuses before gathering."""
 

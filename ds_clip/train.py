@@ -11,34 +11,26 @@ from __future__ import annotations
 
 import sys
 
-from ds_clip.config import SettingsError, parse_settings
+from ds_clip.config import parse_settings
+from ds_clip.errors import RunError, UserError
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         settings = parse_settings(argv)
-    except SettingsError as exc:
+    except UserError as exc:
         print(f"ds-clip-train: error: {exc}", file=sys.stderr)
         return 2
     # Heavy imports (torch, deepspeed, open_clip) only after the settings are known to be good.
     import torch.distributed as dist
 
-    from ds_clip.checkpoint import CheckpointError, OutputError
-    from ds_clip.data import DataError
-    from ds_clip.export import ExportError
-    from ds_clip.loss import LossConfigError
-    from ds_clip.model import ModelError
-    from ds_clip.preflight import PreflightError
-    from ds_clip.trainer import NonFiniteError, train
+    from ds_clip.trainer import train
 
     try:
         train(settings)
-    except (SettingsError, DataError, LossConfigError, ModelError, OutputError, ExportError) as exc:
+    except (UserError, RunError) as exc:  # user error -> 2, run failure -> 1 (ds_clip/errors.py)
         print(f"ds-clip-train: error: {exc}", file=sys.stderr)
-        return 2
-    except (CheckpointError, PreflightError, NonFiniteError) as exc:
-        print(f"ds-clip-train: error: {exc}", file=sys.stderr)
-        return 1
+        return exc.exit_code
     except (dist.DistError, RuntimeError) as exc:
         # A collective that failed: the peer closed the connection (a rank died) or --dist-timeout passed.
         if not isinstance(exc, dist.DistError) and not _looks_like_lost_peer(str(exc)):

@@ -1,5 +1,7 @@
-"""The training loop: builds model, data and engine from settings, then owns the cadence of steps,
-logging and checkpoints. The arithmetic of one step lives in ``ds_clip.step``.
+"""The training loop. ``Trainer.__init__`` builds a run from settings; ``Trainer.train`` is the loop: take a
+batch, train one step (``ds_clip.step``), then let each component act on its own cadence: the step meter
+logs (``metrics.StepMeter``), the checkpointer saves (``checkpoint.Checkpointer``), the evaluator evaluates
+(``evaluate.Evaluator``), the skip policy counts skipped updates, the stop request saves and exits.
 
 Shape of a run: settings -> resolved DeepSpeed JSON -> model, data, engine -> resume -> loop -> step.
 """
@@ -14,22 +16,25 @@ from pathlib import Path
 import torch
 
 from ds_clip import checkpoint, distributed, evaluate, faults
+from ds_clip.checkpoint import Checkpointer
 from ds_clip.clamp import clamp_logit_scale
-from ds_clip.config import TrainSettings, settings_to_dict
-from ds_clip.data import DataSettings, build_train_data
+from ds_clip.config import SettingsError, TrainSettings, settings_to_dict
+from ds_clip.data import DataSettings, StepBatch, build_train_data
 from ds_clip.distributed import DistInfo, init_distributed
 from ds_clip.ds_config import resolve_ds_config, write_run_files
 from ds_clip.engine import build_engine, build_model_bundle
-from ds_clip.metrics import MetricsWriter, peak_memory_mib
+from ds_clip.errors import RunError
+from ds_clip.evaluate import Evaluator
+from ds_clip.metrics import MetricsWriter, StepMeter
 from ds_clip.preemption import StopRequest
-from ds_clip.step import cached_step, micro_batch_seed
+from ds_clip.step import StepResult, cached_step, micro_batch_seed
 
 logger = logging.getLogger("ds_clip")
 # A synthetic run without --train-num-samples trains this many pairs per epoch.
 DEFAULT_SYNTHETIC_SAMPLES = 25_600
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(RunError):
     """Too many consecutive optimizer steps with a non-finite loss or gradient."""
 
 
@@ -50,82 +55,149 @@ def _broadcast_name(name: str, info: DistInfo) -> str:
     return distributed.broadcast_object(name) if info.world_size > 1 else name
 
 
-def train(s: TrainSettings) -> TrainSummary:
-    # Before any process group: an unusable output folder is a one-line error, not a crash at save time.
-    checkpoint.check_writable(Path(s.logs))
-    info = init_distributed(timeout_s=s.dist_timeout)
-    s.name = _broadcast_name(s.name, info)
-    run_dir = Path(s.logs) / s.name
-    ds_json = resolve_ds_config(s, info.world_size)
-    if info.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_run_files(run_dir, s, ds_json)
-    # open_clip logs its model-building steps at INFO on the root logger: keep those quiet.
-    logging.basicConfig(
-        level=logging.WARNING, format=f"[rank{info.rank}] %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("ds_clip").setLevel(logging.INFO if info.is_main else logging.WARNING)
+class SkipPolicy:
+    """Owns ``--max-skipped-steps``: counts skipped updates, says why on rank 0, stops a run that keeps
+    skipping (exit 1, nothing saved for the skipped steps: the last complete checkpoint stays the last)."""
 
-    bundle = build_model_bundle(s)
-    model = bundle.model
-    model_shapes = checkpoint.param_shapes(model)  # checked against a checkpoint before DeepSpeed loads it
-    checkpoint.check_output_space(run_dir, sum(p.numel() for p in model.parameters()), s.precision)
+    def __init__(self, *, max_in_a_row: int, run_dir: Path, is_main: bool) -> None:
+        self.max_in_a_row, self.run_dir, self.is_main = max_in_a_row, run_dir, is_main
+        self.in_a_row = self.total = 0
 
-    m, k, w = s.batch_size, s.accum_freq, info.world_size
-    global_batch = w * k * m
-    image_size = bundle.model_cfg["vision_cfg"].get("image_size", 224)
-    image_px = image_size if isinstance(image_size, int) else image_size[0]  # open_clip allows (h, w)
-    data = build_train_data(
-        DataSettings(
-            dataset_type=s.dataset_type,
-            train_data=s.train_data,
-            train_num_samples=s.train_num_samples
-            or (DEFAULT_SYNTHETIC_SAMPLES if s.dataset_type == "synthetic" else None),
-            dataset_resampled=s.dataset_resampled,
-            image_key=s.image_key,
-            caption_key=s.caption_key,
-            workers=s.workers,
-            seed=s.seed,
-            synthetic_image_size=image_px,
-        ),
-        preprocess=bundle.preprocess_train,
-        tokenizer=bundle.tokenizer,
-        rank=info.rank,
-        world_size=w,
-        batch_size=m,
-        accum_freq=k,
-    )
-    total_steps = s.max_steps or s.epochs * data.steps_per_epoch
-    built = build_engine(s, bundle, rank=info.rank, world_size=w, total_steps=total_steps)
-    engine, loss_fn = built.engine, built.loss_fn
+    def record(self, result: StepResult, step: int) -> None:
+        """``step``: applied updates so far (the skipped batch was to train update step + 1)."""
+        if not result.skipped:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.total += 1
+        if self.is_main:
+            reason = (
+                "fp16 loss-scale overflow (DeepSpeed lowers the scale)"
+                if result.overflow
+                else "non-finite loss or gradient on at least one rank"
+            )
+            logger.warning(
+                "step %d: %s: update skipped on every rank (%d in a row, %d in total); the next batch trains "
+                "step %d",
+                step + 1, reason, self.in_a_row, self.total, step + 1,
+            )  # fmt: skip
+        if self.in_a_row >= self.max_in_a_row:
+            raise NonFiniteError(
+                f"{self.in_a_row} consecutive optimizer steps had a non-finite loss or gradient "
+                f"(--max-skipped-steps {self.max_in_a_row}); stopped without saving them. The last complete "
+                f"checkpoint is kept in {self.run_dir / 'checkpoints'}: lower --lr or check the data, then "
+                "relaunch with --resume latest"
+            )
 
-    # ---- checkpoints and evaluation (issue 9): what a save records, what an evaluation needs
-    import open_clip
 
-    ckpt_meta = {
-        "accum_freq": k,
-        "micro_batch_size": m,
-        "precision": s.precision,
-        "model": s.model,
-        "model_cfg": bundle.model_cfg,
-        "preprocess_cfg": open_clip.get_model_preprocess_cfg(model),
-    }
+class Trainer:
+    """One training run. Every rank builds one and calls ``train()``."""
 
-    def save(step: int) -> None:
-        meta = {**ckpt_meta, "epoch": data.epoch, "samples_seen": step * global_batch}
-        checkpoint.save(
-            engine, run_dir, step, data.state_dict(), settings_to_dict(s), meta=meta, keep=s.keep_checkpoints
+    def __init__(self, s: TrainSettings) -> None:
+        # Before any process group: an unusable output folder is a one-line error, not a crash at save time.
+        checkpoint.check_writable(Path(s.logs))
+        self.s = s
+        self.info = info = init_distributed(timeout_s=s.dist_timeout)
+        s.name = _broadcast_name(s.name, info)
+        self.run_dir = run_dir = Path(s.logs) / s.name
+        if info.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            write_run_files(run_dir, s, resolve_ds_config(s, info.world_size))
+        # open_clip logs its model-building steps at INFO on the root logger: keep those quiet.
+        logging.basicConfig(
+            level=logging.WARNING, format=f"[rank{info.rank}] %(levelname)s %(name)s: %(message)s"
         )
+        logging.getLogger("ds_clip").setLevel(logging.INFO if info.is_main else logging.WARNING)
 
-    if s.zeroshot_classes:
-        try:
-            evaluate.load_zeroshot(s.zeroshot_classes)  # a bad file fails now, not after the first steps
-        except evaluate.EvalError as exc:
-            from ds_clip.config import SettingsError
+        self.bundle = bundle = build_model_bundle(s)
+        shapes = checkpoint.param_shapes(
+            bundle.model
+        )  # checked against a checkpoint before DeepSpeed loads it
+        checkpoint.check_output_space(run_dir, sum(p.numel() for p in bundle.model.parameters()), s.precision)
+        w = info.world_size
+        self.global_batch = w * s.accum_freq * s.batch_size
+        image_size = bundle.model_cfg["vision_cfg"].get("image_size", 224)
+        image_px = image_size if isinstance(image_size, int) else image_size[0]  # open_clip allows (h, w)
+        self.data = build_train_data(
+            DataSettings(
+                dataset_type=s.dataset_type,
+                train_data=s.train_data,
+                train_num_samples=s.train_num_samples
+                or (DEFAULT_SYNTHETIC_SAMPLES if s.dataset_type == "synthetic" else None),
+                dataset_resampled=s.dataset_resampled,
+                image_key=s.image_key,
+                caption_key=s.caption_key,
+                workers=s.workers,
+                seed=s.seed,
+                synthetic_image_size=image_px,
+            ),
+            preprocess=bundle.preprocess_train,
+            tokenizer=bundle.tokenizer,
+            rank=info.rank,
+            world_size=w,
+            batch_size=s.batch_size,
+            accum_freq=s.accum_freq,
+        )
+        self.total_steps = s.max_steps or s.epochs * self.data.steps_per_epoch
+        built = build_engine(s, bundle, rank=info.rank, world_size=w, total_steps=self.total_steps)
+        self.engine, self.loss_fn = built.engine, built.loss_fn
 
-            raise SettingsError(str(exc)) from exc
-    val_settings = (
-        evaluate.EvalSettings(
+        import open_clip
+
+        self.checkpointer = Checkpointer(
+            self.engine,
+            run_dir,
+            self.data,
+            settings=settings_to_dict(s),
+            meta={
+                "accum_freq": s.accum_freq,
+                "micro_batch_size": s.batch_size,
+                "precision": s.precision,
+                "model": s.model,
+                "model_cfg": bundle.model_cfg,
+                "preprocess_cfg": open_clip.get_model_preprocess_cfg(bundle.model),
+            },
+            every_n_steps=s.save_every_n_steps,
+            keep=s.keep_checkpoints,
+            global_batch=self.global_batch,
+        )
+        self.evaluator = Evaluator(
+            self.engine,
+            self._eval_settings(image_px),
+            preprocess=bundle.preprocess_val,
+            tokenizer=bundle.tokenizer,
+            run_dir=run_dir,
+            every_n_steps=s.val_every_n_steps,
+            is_main=info.is_main,
+        )
+        self.start_step = (
+            self.checkpointer.resume(s.resume, shapes=shapes, is_main=info.is_main) if s.resume else 0
+        )
+        self.meter = StepMeter(
+            every_n_steps=s.log_every_n_steps, total_steps=self.total_steps, global_batch=self.global_batch,
+            world_size=w,
+        )  # fmt: skip
+        self.skips = SkipPolicy(max_in_a_row=s.max_skipped_steps, run_dir=run_dir, is_main=info.is_main)
+        if info.is_main and info.hosts is not None:
+            logger.info("%s", info.hosts.describe())
+        if info.is_main:
+            logger.info(
+                "world size %d, micro-batch m=%d, accum-freq k=%d: global batch N=W*k*m=%d pairs per optimizer "
+                "step; %d steps per epoch, %d steps in total; run folder %s",
+                w, s.batch_size, s.accum_freq, self.global_batch, self.data.steps_per_epoch, self.total_steps,
+                run_dir,
+            )  # fmt: skip
+
+    def _eval_settings(self, image_px: int) -> evaluate.EvalSettings | None:
+        s = self.s
+        if s.zeroshot_classes:
+            try:
+                evaluate.load_zeroshot(s.zeroshot_classes)  # a bad file fails now, not after the first steps
+            except evaluate.EvalError as exc:
+                raise SettingsError(str(exc)) from exc
+        if not s.val_data:
+            return None
+        return evaluate.EvalSettings(
             val_data=s.val_data,
             val_num_samples=s.val_num_samples,
             batch_size=s.batch_size,
@@ -135,188 +207,101 @@ def train(s: TrainSettings) -> TrainSummary:
             image_key=s.image_key,
             caption_key=s.caption_key,
         )
-        if s.val_data
-        else None
-    )
 
-    def run_eval(step: int) -> None:
-        # Every rank embeds its slice (a collective); rank 0 reports.
-        metrics = evaluate.run_on_engine(
-            engine, val_settings, preprocess=bundle.preprocess_val, tokenizer=bundle.tokenizer
-        )
+    def _step(self, batch: StepBatch, step: int, attempt: int) -> StepResult:
+        """One optimizer step; then the clamp open_clip applies after every applied update."""
+        rank = self.info.rank
+        seeds = [micro_batch_seed(self.s.seed, step, g) for g in batch.micro_batch_ids]
+        micro_batches = batch.micro_batches
+        faults.maybe_kill("kill", attempt, rank)
+        if faults.active("nan", attempt, rank):
+            micro_batches = [(torch.full_like(micro_batches[0][0], float("nan")), micro_batches[0][1])]
+            micro_batches += batch.micro_batches[1:]
+        result = cached_step(self.engine, micro_batches, self.loss_fn, micro_batch_seeds=seeds)
+        if not result.skipped:
+            clamp_logit_scale(self.engine)
+        return result
+
+    def _log(self, step: int, epoch: int, writer: MetricsWriter | None) -> None:
+        # A collective (every rank calls it): bad samples skipped by the loaders of all ranks.
+        skipped = distributed.all_reduce_sum(torch.tensor(float(sum(self.data.skip_counts.values()))))
+        row = self.meter.row(
+            step=step, epoch=epoch, lr=self.engine.get_lr()[0], skipped_samples=int(skipped),
+            skipped_steps=self.skips.total,
+        )  # fmt: skip
         if writer is not None:
-            evaluate.report(run_dir, step, metrics, writer.tb)
+            writer.log(row)
 
-    step, epoch, start_in_epoch = 0, 0, 0
-    if s.resume:
-        if info.is_main:
-            for p in checkpoint.remove_partial(run_dir / "checkpoints"):
-                logger.warning("removed partial checkpoint %s (a save that was cut short)", p)
-        state = checkpoint.load(engine, run_dir, s.resume, shapes=model_shapes, global_batch=global_batch)
-        step = state["step"]
-        data.load_state_dict(state["data"])
-        epoch, start_in_epoch = data.epoch, data.step_in_epoch
+    def train(self) -> TrainSummary:
+        """The loop. Counting rule (README, "Skipped steps"): ``step`` counts *applied* updates: what
+        --max-steps, the LR schedule, checkpoint tags and samples_seen count. A skipped batch is consumed,
+        counted by the skip policy, and the next batch trains the same update number."""
+        s, info, total = self.s, self.info, self.total_steps
+        step, attempt = self.start_step, 0  # attempt: batches taken by this process (fault injection)
+        writer = (
+            MetricsWriter(self.run_dir, s.report_to, total, step, settings_to_dict(s))
+            if info.is_main
+            else None
+        )
+        tb = writer.tb if writer is not None else None
+        stop = StopRequest().install()
+        self.engine.train()
+        try:
+            epoch, start_in_epoch = self.data.epoch, self.data.step_in_epoch
+            while step < total:
+                t_data = time.perf_counter()
+                for batch in self.data.iter_epoch(epoch, start_in_epoch):
+                    t_step = time.perf_counter()
+                    result = self._step(batch, step, attempt)
+                    attempt += 1
+                    self.meter.record(
+                        result, data_time=t_step - t_data, step_time=time.perf_counter() - t_step
+                    )
+                    self.skips.record(result, step)
+                    if writer is not None:
+                        writer.step_done()
+                    if not result.skipped:
+                        step += 1
+                        if self.meter.should_log(step):
+                            self._log(step, epoch, writer)
+                        self.checkpointer.maybe_save(step, total)
+                        self.evaluator.maybe_run(step, total, tb)
+                    if step >= total:
+                        break
+                    if stop.should_stop():  # every rank, every step: they all save the same step together
+                        self.checkpointer.save(step)
+                        if info.is_main:
+                            logger.info(
+                                "received %s: saved checkpoint %s at step %d; resume with the same command "
+                                "plus --resume latest --name %s",
+                                stop.signal_name, checkpoint.tag_for(step), step, s.name,
+                            )  # fmt: skip
+                        return self._summary(step)
+                    t_data = time.perf_counter()
+                else:
+                    epoch, start_in_epoch = epoch + 1, 0
+                    continue
+                break
+            self.evaluator.run(step, tb)
+            self.checkpointer.save(step)
+        finally:
+            stop.uninstall()
+            if writer is not None:
+                writer.close()
+        summary = self._summary(step)
         if info.is_main:
             logger.info(
-                "resumed from %s at step %d (epoch %d, step %d in epoch)%s",
-                state["path"],
-                step,
-                epoch,
-                start_in_epoch,
-                " on a new world size / ZeRO stage" if state["resharded"] else "",
-            )
-    # ---- end of checkpoint/evaluation set-up
+                "done: %d steps, %d samples, %d skipped, final loss %.4f, run folder %s",
+                step, summary.samples_seen, summary.skipped_steps, summary.final_loss, self.run_dir,
+            )  # fmt: skip
+        return summary
 
-    if info.is_main and info.hosts is not None:
-        logger.info("%s", info.hosts.describe())
-    if info.is_main:
-        logger.info(
-            "world size %d, micro-batch m=%d, accum-freq k=%d: global batch N=W*k*m=%d pairs per optimizer "
-            "step; %d steps per epoch, %d steps in total; run folder %s",
-            w, m, k, global_batch, data.steps_per_epoch, total_steps, run_dir,
-        )  # fmt: skip
-    writer = (
-        MetricsWriter(run_dir, s.report_to, total_steps, step, settings_to_dict(s)) if info.is_main else None
-    )
-    engine.train()
-    stop = StopRequest().install()
-    # Counting rule (README, "Skipped steps"): `step` counts *applied* updates. It is what --max-steps,
-    # the LR schedule (DeepSpeed does not advance it on an fp16 overflow, ds_clip does not call
-    # engine.step() on its own skips), checkpoint tags and samples_seen = step * N count. A skipped
-    # batch is consumed (the data position moves on), counted in skipped_steps, and the next batch
-    # trains the same update number.
-    consecutive_skips = skipped_steps = 0
-    attempts = 0  # batches taken from the loader since this process started (fault injection keys on it)
-    last_loss = last_scale = None  # device tensors: read on the host only at log steps
-    window_samples, window_time, window_data, window_start = 0, 0.0, 0.0, time.perf_counter()
-    try:
-        while step < total_steps:
-            t_data = time.perf_counter()
-            for batch in data.iter_epoch(epoch, start_in_epoch):
-                data_time = time.perf_counter() - t_data
-                t_step = time.perf_counter()
-                seeds = [micro_batch_seed(s.seed, step, g) for g in batch.micro_batch_ids]
-                micro_batches = batch.micro_batches
-                faults.maybe_kill("kill", attempts, info.rank)
-                if faults.active("nan", attempts, info.rank):
-                    micro_batches = [
-                        (torch.full_like(micro_batches[0][0], float("nan")), micro_batches[0][1])
-                    ]
-                    micro_batches += batch.micro_batches[1:]
-                attempts += 1
-                result = cached_step(engine, micro_batches, loss_fn, micro_batch_seeds=seeds)
-                if result.skipped:
-                    consecutive_skips += 1
-                    skipped_steps += 1
-                    if info.is_main:
-                        logger.warning(
-                            "step %d: %s: update skipped on every rank (%d in a row, %d in total); the "
-                            "next batch trains step %d",
-                            step + 1,
-                            "fp16 loss-scale overflow (DeepSpeed lowers the scale)"
-                            if result.overflow
-                            else "non-finite loss or gradient on at least one rank",
-                            consecutive_skips,
-                            skipped_steps,
-                            step + 1,
-                        )
-                    if consecutive_skips >= s.max_skipped_steps:
-                        raise NonFiniteError(
-                            f"{consecutive_skips} consecutive optimizer steps had a non-finite loss or gradient "
-                            f"(--max-skipped-steps {s.max_skipped_steps}); stopped without saving them. The last "
-                            f"complete checkpoint is kept in {run_dir / 'checkpoints'}: lower --lr or check the "
-                            "data, then relaunch with --resume latest"
-                        )
-                else:
-                    consecutive_skips = 0
-                    clamp_logit_scale(engine)
-                    step += 1
-                    last_loss, last_scale = result.loss, result.logit_scale
-                    window_samples += global_batch
-                window_time += time.perf_counter() - t_step
-                window_data += data_time
-                if writer is not None:
-                    writer.step_done()
-                applied = not result.skipped
-                if applied and (step % s.log_every_n_steps == 0 or step == total_steps):
-                    # Samples/s counts every pair of the step: k micro-batches x m pairs x W ranks.
-                    elapsed = time.perf_counter() - window_start
-                    skipped = distributed.all_reduce_sum(torch.tensor(float(sum(data.skip_counts.values()))))
-                    if writer is not None:
-                        steps_in_window = max(1, round(window_samples / global_batch))
-                        writer.log(
-                            {
-                                "step": step,
-                                "total_steps": total_steps,
-                                "epoch": epoch,
-                                "samples_seen": step * global_batch,
-                                "loss": float(last_loss),  # host sync: log steps only
-                                "logit_scale": float(last_scale),
-                                "lr": engine.get_lr()[0],
-                                "samples_per_s": window_samples / elapsed,
-                                "samples_per_s_per_rank": window_samples / elapsed / w,
-                                "data_time_s": window_data / steps_in_window,
-                                "step_time_s": window_time / steps_in_window,
-                                "peak_mem_mib": peak_memory_mib(),
-                                "skipped_samples": int(skipped),
-                                "skipped_steps": skipped_steps,
-                            }
-                        )
-                    window_samples, window_time, window_data, window_start = 0, 0.0, 0.0, time.perf_counter()
-                # A skipped step changed nothing worth a checkpoint: the last one stays the last good one.
-                if (
-                    applied
-                    and s.save_every_n_steps
-                    and step % s.save_every_n_steps == 0
-                    and step < total_steps
-                ):
-                    save(step)
-                if (
-                    applied
-                    and val_settings
-                    and s.val_every_n_steps
-                    and step % s.val_every_n_steps == 0
-                    and step < total_steps
-                ):
-                    run_eval(step)
-                if step >= total_steps:
-                    break
-                if stop.should_stop():  # every rank, every step: they all save the same step together
-                    save(step)
-                    if info.is_main:
-                        logger.info(
-                            "received %s: saved checkpoint %s at step %d; resume with the same command plus "
-                            "--resume latest --name %s",
-                            stop.signal_name,
-                            checkpoint.tag_for(step),
-                            step,
-                            s.name,
-                        )
-                    return TrainSummary(step, step * global_batch, _host(last_loss), run_dir, skipped_steps)
-                t_data = time.perf_counter()
-            else:
-                epoch, start_in_epoch = epoch + 1, 0
-                continue
-            break
-        if val_settings:
-            run_eval(step)
-        save(step)
-    finally:
-        stop.uninstall()
-        if writer is not None:
-            writer.close()
-    final_loss = _host(last_loss)
-    if info.is_main:
-        logger.info(
-            "done: %d steps, %d samples, %d skipped, final loss %.4f, run folder %s",
-            step,
-            step * global_batch,
-            skipped_steps,
-            final_loss,
-            run_dir,
+    def _summary(self, step: int) -> TrainSummary:
+        return TrainSummary(
+            step, step * self.global_batch, self.meter.final_loss(), self.run_dir, self.skips.total
         )
-    return TrainSummary(step, step * global_batch, final_loss, run_dir, skipped_steps)
 
 
-def _host(t: torch.Tensor | None) -> float:
-    return float("nan") if t is None else float(t)
+def train(s: TrainSettings) -> TrainSummary:
+    """Build a run from ``s`` and train it (what ``ds-clip-train`` does)."""
+    return Trainer(s).train()

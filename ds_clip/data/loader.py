@@ -28,13 +28,14 @@ from PIL import Image
 
 from ds_clip.data.augment import SeededTransform
 from ds_clip.data.synthetic import SyntheticCaptions
+from ds_clip.errors import UserError
 
 logger = logging.getLogger("ds_clip.data")
 
 DATASET_TYPES = ("synthetic", "webdataset")
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """Bad data settings or unusable data; the message names the flag, file or pattern."""
 
 

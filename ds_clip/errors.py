@@ -1,0 +1,24 @@
+"""The two kinds of failure a user sees, and the exit status of each.
+
+Every error ds_clip raises on purpose subclasses one of these; the entry points catch the two bases and
+print one line (``ds-clip-train: error: ...``), so no caller needs to know which module raised what.
+
+- ``UserError`` (exit 2, like argparse): bad input the user can fix by changing a flag, a file, a preset or
+  the data. The message names the flag, file or JSON key.
+- ``RunError`` (exit 1): the run itself failed (a lost rank, a checkpoint that cannot be used, too many
+  non-finite steps). The message says what happened and how to continue (usually ``--resume latest``).
+"""
+
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """Bad input, named in the message. Exit status 2."""
+
+    exit_code = 2
+
+
+class RunError(RuntimeError):
+    """The run failed; the message says how to continue. Exit status 1."""
+
+    exit_code = 1
