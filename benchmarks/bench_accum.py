@@ -378,24 +378,18 @@ def run_engines(settings: BenchSettings, rep: int) -> list[Measurement]:
 
 
 def _run_one_engine(settings: BenchSettings, model_name: str, stage: int, rep: int) -> list[Measurement]:
-    import deepspeed
     import torch
     import torch.distributed as dist
     from deepspeed import comm as ds_comm
 
-    from ds_clip.equivalence import RunSpec, ds_config_for, generated_pairs
-    from ds_clip.loss import ContrastiveLoss, LossSpec
-    from ds_clip.model import build_model, param_groups, prepare_for_deepspeed
+    from ds_clip.config import parse_settings
+    from ds_clip.engine import build_engine, build_model_bundle
     from ds_clip.step import cached_step, input_dtype
+    from ds_clip.testing import FLAT_SCHEDULE_STEPS, RunSpec, generated_pairs, train_argv
 
     name = resolve_model(model_name, settings.image_size)
     rank, world = dist.get_rank(), dist.get_world_size()
     m, ks = settings.micro_batch_size, sorted(set(settings.accum_freqs))
-    bundle = build_model(name, seed=settings.seed)
-    model = bundle.model
-    num_params = sum(p.numel() for p in model.parameters())
-    prepare_for_deepspeed(model)
-    opt = torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=1e-5, betas=(0.9, 0.98), eps=1e-6)
     spec = RunSpec(
         model=name,
         micro_batch_size=m,
@@ -404,13 +398,25 @@ def _run_one_engine(settings: BenchSettings, model_name: str, stage: int, rep: i
         zero_stage=stage,
         precision=settings.precision,
         count_collectives=True,
+        seed=settings.seed,
     )
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config_for(spec, world))
+    # The engine ds-clip-train builds (ds_clip.engine) from the shipped preset of this stage and precision,
+    # with open_clip's AdamW settings for ViTs.
+    with tempfile.TemporaryDirectory() as preset_dir:
+        train_settings = parse_settings(
+            [*train_argv(spec, preset_dir), "--lr", "1e-5", "--wd", "0.1", "--eps", "1e-6"]
+        )
+        bundle = build_model_bundle(train_settings)
+        num_params = sum(p.numel() for p in bundle.model.parameters())
+        built = build_engine(
+            train_settings, bundle, rank=rank, world_size=world, total_steps=FLAT_SCHEDULE_STEPS
+        )
+    engine = built.engine
     engine.train()
     comms = ds_comm.comms_logger
     cuda = settings.device.startswith("cuda")
     hook = engine.module.register_forward_pre_hook(_end_loss_phase)
-    loss_fn = CountingLoss(ContrastiveLoss(LossSpec(), rank=rank, world_size=world))
+    loss_fn = CountingLoss(built.loss_fn)
 
     # Time the optimizer apart: it runs once per step whatever k is.
     inner_step, opt_time = engine.step, [0.0]
@@ -742,7 +748,7 @@ def _engine_group(settings: BenchSettings, rep: int) -> list[Measurement]:
 
 def run_benchmark(settings: BenchSettings, log=print) -> list[Measurement]:
     """All configurations; each repeat starts fresh processes, ours and open_clip's alternating."""
-    from ds_clip.equivalence import spawn_group
+    from ds_clip.testing import spawn_group
 
     # spawn_group's workers pin one thread each; threads>1 is set again inside each worker.
     results: list[Measurement] = []

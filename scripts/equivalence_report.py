@@ -2,7 +2,8 @@
 
     source .venv/bin/activate && python scripts/equivalence_report.py [--out docs/equivalence.md]
 
-Runs the same cases as tests/test_equivalence.py (2 ranks x k=2, 4 ranks x k=1, 3 AdamW steps) and
+Runs the same cases as tests/test_equivalence.py (ds_clip.testing.CASES: 2 ranks x k=2, 4 ranks x k=1,
+3 AdamW steps, each engine built by ds_clip.engine from the shipped presets, as ds-clip-train builds it) and
 reports per case: the largest per-parameter relative error of DeepSpeed's reduced gradient against
 the single-process open_clip oracle (floor 1e-3 of the total gradient norm, as in the test), the
 logit_scale / logit_bias errors, and the largest |parameter difference| between the two splits.
@@ -17,9 +18,6 @@ import tempfile
 from datetime import date
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -28,9 +26,15 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from ds_clip.equivalence import oracle_first_step, run_many, spawn_group
-    from tests.models import write_model_dirs
-    from tests.test_equivalence import CASES, _oracle_errors, _spec
+    from ds_clip.testing import (
+        CASES,
+        oracle_errors,
+        oracle_first_step,
+        run_many,
+        spawn_group,
+        write_model_dirs,
+    )
+    from ds_clip.testing import spec_for as _spec
 
     with tempfile.TemporaryDirectory() as tmp:
         models = write_model_dirs(Path(tmp))
@@ -39,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for c in CASES:
             grads, _ = oracle_first_step(_spec(c, models, k=2), world_size=2)
-            errs = _oracle_errors(w2[c.name], grads, floor=1e-3)
+            errs = oracle_errors(w2[c.name], grads, floor=1e-3)
             worst = max(errs, key=errs.get)
             diff = max(float((p - w4[c.name].params[n]).abs().max()) for n, p in w2[c.name].params.items())
             bias = f"{errs['logit_bias']:.1e}" if "logit_bias" in errs else "-"

@@ -24,8 +24,7 @@ import pytest
 import torch
 
 from ds_clip import checkpoint as ck
-from ds_clip.equivalence import spawn_group
-from tests.models import E2E_MODEL
+from ds_clip.testing import E2E_MODEL, spawn_group
 
 M, STEPS, SAVE_AT = 2, 4, 2
 STAGES = (0, 1, 2, 3)

@@ -26,18 +26,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from ds_clip.testing import E2E_MODEL
 from tests import collective_guard as guard
-from tests.models import E2E_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ds_clip"
 HOME = "ds_clip/distributed.py"
 
-# TEMPORARY: modules that still call torch.distributed collectives directly. ds_clip/equivalence.py is the
-# equivalence-test harness (its gradient probe all-reduces per parameter); it is leaving the package (the
-# lead), and then this set must be empty. An entry whose file is gone is ignored. Nothing the trainer,
-# evaluation or checkpoints import may be listed here.
-TEMPORARY_DIRECT_COLLECTIVES_ALLOWED = frozenset({"ds_clip/equivalence.py"})
+# Modules allowed to call torch.distributed collectives directly: none (the test harness, ds_clip/testing.py,
+# goes through ds_clip.distributed too).
+TEMPORARY_DIRECT_COLLECTIVES_ALLOWED: frozenset[str] = frozenset()
 
 _COLLECTIVE_MODULES = (
     "torch.distributed",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.models import E2E_MODEL
+from ds_clip.testing import E2E_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent

@@ -9,109 +9,28 @@ The single-process oracle runs open_clip's own ClipLoss / SigLipLoss on the whol
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
-from ds_clip.equivalence import RunSpec, oracle_first_step, run_many, spawn_group
-from ds_clip.loss import LossSpec
-from tests.models import write_model_dirs
+from ds_clip.testing import (
+    ADAM,
+    BF16_CASES,
+    CASES,
+    FP16_CASES,
+    FP32_CASES,
+    Case,
+    M,
+    RunSpec,
+    fp16_supported,
+    oracle_errors,
+    oracle_first_step,
+    run_many,
+    spawn_group,
+    spec_for,
+    write_model_dirs,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-
-M = 2  # pairs per micro-batch
-# BatchNorm normalises with the statistics of each micro-batch; over 2 samples that is ill-conditioned
-# enough to amplify fp32 rounding past 1e-5, so the BatchNorm tower gets 4.
-BN_M = 4
-STEPS = 3
-# AdamW turns float noise into full-size updates where the true gradient is ~0 (attention key
-# biases get exactly zero gradient: softmax ignores them). eps=1e-4 sits below the typical gradient
-# entry of these models (1e-3..1e-1) so real gradients still get Adam's normalised update (a
-# gradient counted twice changes the update wherever |g| is near eps), while rounding noise of
-# ~1e-9 moves a parameter by at most lr*1e-5.
-ADAM = {"optimizer": "adamw", "lr": 1e-3, "eps": 1e-4}
-
-GLOBAL = LossSpec()
-GLOBAL_GWG = LossSpec(gather_with_grad=True)
-LOCAL = LossSpec(local_loss=True, gather_with_grad=True)
-SIGLIP = LossSpec(siglip=True)
-TILED = LossSpec(impl="tiled", tile_size=3)
-TILED_LOCAL = LossSpec(local_loss=True, gather_with_grad=True, impl="tiled", tile_size=3)
-TILED_SIGLIP = LossSpec(siglip=True, impl="tiled", tile_size=3)
-
-
-@dataclass(frozen=True)
-class Case:
-    model: str
-    zero_stage: int
-    precision: str = "fp32"
-    loss: LossSpec = GLOBAL
-    offload: bool = False
-    grad_checkpointing: bool = False
-
-    @property
-    def name(self) -> str:
-        loss = "siglip" if self.loss.siglip else ("local" if self.loss.local_loss else "global")
-        if self.loss.gather_with_grad and not self.loss.local_loss:
-            loss += "-gwg"
-        if self.loss.impl == "tiled":
-            loss += "-tiled"
-        extra = ("-offload" if self.offload else "") + ("-ckpt" if self.grad_checkpointing else "")
-        return f"{self.model}-z{self.zero_stage}-{self.precision}-{loss}{extra}"
-
-
-def _matrix() -> list[Case]:
-    cases = []
-    for stage in range(4):
-        for precision in ("fp32", "bf16"):
-            cases.append(Case("vit", stage, precision, GLOBAL))
-            cases.append(Case("vit", stage, precision, LOCAL))
-            cases.append(Case("vit_siglip", stage, precision, SIGLIP))
-    cases += [Case("vit", stage, "fp32", GLOBAL, offload=True) for stage in (1, 2, 3)]
-    cases += [Case("vit", stage, "fp32", GLOBAL, grad_checkpointing=True) for stage in (0, 3)]
-    cases += [Case("vit", 2, "fp32", GLOBAL_GWG)]
-    cases += [
-        Case("vit", 0, "fp32", TILED),
-        Case("vit", 2, "fp32", TILED),
-        Case("vit", 3, "fp32", TILED_LOCAL),
-    ]
-    cases += [Case("vit_siglip", 1, "fp32", TILED_SIGLIP)]
-    cases += [Case("timm_dropout", stage, "fp32", GLOBAL) for stage in (0, 3)]
-    cases += [Case("resnet_bn", stage, "fp32", GLOBAL) for stage in (0, 2)]
-    return cases
-
-
-def fp16_supported() -> bool:
-    # DeepSpeed's CPU accelerator runs fp16 only where the CPU has AVX512-FP16 (it answers None
-    # otherwise); on a GPU it is True.
-    from deepspeed.accelerator import get_accelerator
-
-    return bool(get_accelerator().is_fp16_supported())
-
-
-FP16_CASES = [Case("vit", stage, "fp16", GLOBAL) for stage in (1, 2, 3)]
-CASES = _matrix() + (FP16_CASES if fp16_supported() else [])
-FP32_CASES = [c for c in CASES if c.precision == "fp32"]
-BF16_CASES = [c for c in CASES if c.precision == "bf16"]
-
-
-def _spec(case: Case, models: dict[str, str], k: int) -> RunSpec:
-    return RunSpec(
-        model=models[case.model],
-        micro_batch_size=BN_M if case.model == "resnet_bn" else M,
-        accum_freq=k,
-        steps=STEPS,
-        zero_stage=case.zero_stage,
-        precision=case.precision,
-        offload=case.offload,
-        loss=case.loss,
-        grad_checkpointing=case.grad_checkpointing,
-        capture_grads=True,
-        name=case.name,
-        **ADAM,
-    )
-
 
 # Collective counts: one extra short run per stage and k, without the gradient probe.
 COUNT_KS = (1, 4)
@@ -137,11 +56,11 @@ def models(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def runs(models):
     """{(name, W): RunResult} for every case on 2 ranks x k=2 and 4 ranks x k=1."""
-    w2_specs = [_spec(c, models, k=2) for c in CASES]
+    w2_specs = [spec_for(c, models, k=2) for c in CASES]
     w2_specs += [_count_spec(models, s, k) for s in range(4) for k in COUNT_KS]
     w2_specs += [_bn_spec(models, s) for s in (0, 2)]
     w2_specs += [spec for s in NAN_STAGES for spec in _nan_specs(models, s)]
-    w4_specs = [_spec(c, models, k=1) for c in CASES]
+    w4_specs = [spec_for(c, models, k=1) for c in CASES]
     out = {}
     for r in spawn_group(2, run_many, w2_specs):
         out[(r.spec.name, 2)] = r
@@ -156,7 +75,7 @@ def oracles(models):
 
     def get(case: Case):
         if case.name not in cache:
-            spec = _spec(case, models, k=2)
+            spec = spec_for(case, models, k=2)
             cache[case.name] = oracle_first_step(spec, world_size=2)
         return cache[case.name]
 
@@ -165,20 +84,6 @@ def oracles(models):
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.reshape(b.shape) - b).norm() / b.norm())
-
-
-def _oracle_errors(result, oracle_grads, floor: float) -> dict[str, float]:
-    """Per-parameter error ||g - g_oracle|| / max(||g_oracle||, floor * ||total oracle gradient||).
-
-    The floor matters only for parameters whose true gradient nearly cancels (attention key biases
-    get exactly 0, attention-pool q/k projections ~1e-6 of the total at init): there the bare
-    relative error measures float noise, not the step. Every other parameter is held to its own norm.
-    """
-    total = float(torch.sqrt(sum(g.pow(2).sum() for g in oracle_grads.values())))
-    return {
-        name: float((result.grads[name].reshape(g.shape) - g).norm()) / max(float(g.norm()), floor * total)
-        for name, g in oracle_grads.items()
-    }
 
 
 @pytest.mark.parametrize("case", FP32_CASES, ids=lambda c: c.name)
@@ -190,7 +95,7 @@ def test_fp32_step_matches_single_process_full_batch(case, runs, oracles):
     oracle_grads, oracle_loss = oracles(case)
     result = runs[(case.name, 2)]
     assert result.losses[0] == pytest.approx(oracle_loss, rel=1e-5)
-    errors = _oracle_errors(result, oracle_grads, floor=1e-3)
+    errors = oracle_errors(result, oracle_grads, floor=1e-3)
     assert errors["logit_scale"] <= 1e-5
     if case.loss.siglip:
         assert errors["logit_bias"] <= 1e-5
@@ -207,7 +112,7 @@ def test_bf16_step_matches_single_process_full_batch(case, runs, oracles):
     oracle_grads, oracle_loss = oracles(case)
     result = runs[(case.name, 2)]
     assert result.losses[0] == pytest.approx(oracle_loss, rel=2e-2)
-    errors = _oracle_errors(result, oracle_grads, floor=1e-2)
+    errors = oracle_errors(result, oracle_grads, floor=1e-2)
     worst = max(errors, key=errors.get)
     assert errors["logit_scale"] <= 3e-2
     if case.loss.siglip:
@@ -223,7 +128,7 @@ def test_fp16_step_matches_single_process_full_batch(case, runs, oracles):
     if not fp16_supported():
         pytest.skip("this device has no fp16 support in DeepSpeed (a CPU without AVX512-FP16)")
     oracle_grads, _ = oracles(case)
-    errors = _oracle_errors(runs[(case.name, 2)], oracle_grads, floor=1e-2)
+    errors = oracle_errors(runs[(case.name, 2)], oracle_grads, floor=1e-2)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 1e-2, f"{worst}: relative error {errors[worst]:.2e}"
 
@@ -266,8 +171,8 @@ def test_batchnorm_running_stats_count_each_sample_once(stage, runs, models):
     """A BatchNorm tower (open_clip ModifiedResNet): after one step of k=2 micro-batches, rank 0's
     running statistics equal those of one train-mode pass over its 2 micro-batches in order. The
     no-grad cache pass must not update them; the recompute does, once per micro-batch of m."""
-    from ds_clip.equivalence import micro_batch_seed, step_micro_batches
     from ds_clip.model import build_model
+    from ds_clip.testing import micro_batch_seed, step_micro_batches
 
     spec = _bn_spec(models, stage)
     bundle = build_model(spec.model, seed=spec.seed)

@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_clip.equivalence import spawn_group
-from tests.models import E2E_MODEL
+from ds_clip.testing import E2E_MODEL, spawn_group
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

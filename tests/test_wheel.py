@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.models import E2E_MODEL
+from ds_clip.testing import E2E_MODEL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -1,4 +1,8 @@
-"""Train the same steps under different (W ranks, k micro-batches) splits, for tests and the demo.
+"""Train the same steps under different (W ranks, k micro-batches) splits: the harness the equivalence tests,
+the equivalence report, the GPU check and the benchmark share (public so that scripts need not import
+``tests``). Every run builds its engine with ``ds_clip.engine`` from ``ds-clip-train`` flags, so what is
+proven is what the trainer builds from the shipped presets: DeepSpeed's config-built AdamW (CPU Adam
+under offload), the LR schedule, the resolved JSON.
 
 Generated data is assigned by *global sample index*: optimizer step s trains samples
 ``s·N + [0, N)`` with N = W·k·m, and global micro-batch g (rank r, micro-batch j, g = r·k + j) holds
@@ -14,15 +18,18 @@ start costs seconds to minutes on a CPU machine.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from ds_clip.loss import ContrastiveLoss, LossSpec
+from ds_clip import distributed
+from ds_clip.loss import LossSpec
 from ds_clip.step import micro_batch_seed
 
 
@@ -41,8 +48,6 @@ class RunSpec:
     """Optimizer state (and with ZeRO-3 parameters) offloaded to the CPU."""
     loss: LossSpec = field(default_factory=LossSpec)
     grad_checkpointing: bool = False
-    optimizer: str = "adamw"
-    """'adamw' (torch AdamW, weight decay 0) or 'sgd' (plain SGD, no momentum)."""
     lr: float = 1e-3
     eps: float = 1e-8
     seed: int = 0
@@ -133,50 +138,62 @@ def step_micro_batches(
     return batches, ids
 
 
-def ds_config_for(spec: RunSpec, world_size: int) -> dict:
-    from ds_clip.ds_config import STEP_ENGINE_KEYS
+# A schedule this long is flat over a few test steps (cosine(3e-6 pi) = 1 - 4e-11): the runs compare
+# arithmetic, not schedules, and both splits see the same LR anyway.
+FLAT_SCHEDULE_STEPS = 10**6
 
-    zero: dict[str, Any] = {"stage": spec.zero_stage}
+
+def train_argv(spec: RunSpec, preset_dir: str | None = None) -> list[str]:
+    """The ``ds-clip-train`` flags that build the engine of ``spec`` (the shipped presets; a temporary
+    preset with DeepSpeed's comms logger on when ``count_collectives``)."""
     if spec.offload:
-        zero["offload_optimizer"] = {"device": "cpu"}
-        if spec.zero_stage == 3:
-            zero["offload_param"] = {"device": "cpu"}
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": spec.micro_batch_size,
-        "train_batch_size": spec.micro_batch_size * world_size,
-        "zero_optimization": zero,
-        "zero_allow_untested_optimizer": True,
-        "zero_force_ds_cpu_optimizer": False,
-        "steps_per_print": 10**9,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 unless told otherwise
-        **STEP_ENGINE_KEYS,
-    }
-    if spec.precision == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    elif spec.precision == "fp16":
-        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8}
+        preset = f"zero{max(spec.zero_stage, 2)}_offload_{spec.precision}"
+    else:
+        preset = f"zero{spec.zero_stage}_{spec.precision}"
     if spec.count_collectives:
+        assert preset_dir is not None
+        from ds_clip.ds_config import load_preset
+
+        cfg = load_preset(preset)
         cfg["comms_logger"] = {"enabled": True, "verbose": False, "prof_all": True, "debug": False}
-    return cfg
+        path = os.path.join(preset_dir, f"{preset}_comms.json")
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+        preset = path
+    argv = [
+        "--model", spec.model, "--batch-size", str(spec.micro_batch_size), "--accum-freq", str(spec.accum_freq),
+        "--ds-config", preset, "--zero-stage", str(spec.zero_stage), "--precision", spec.precision,
+        "--lr", repr(spec.lr), "--eps", repr(spec.eps), "--beta1", "0.9", "--beta2", "0.98", "--wd", "0",
+        "--warmup", "0", "--seed", str(spec.seed), "--workers", "0", "--loss-impl", spec.loss.impl,
+    ]  # fmt: skip
+    if spec.loss.siglip:
+        argv.append("--siglip")
+    if spec.loss.local_loss:
+        argv.append("--local-loss")
+    if spec.loss.gather_with_grad:
+        argv.append("--gather-with-grad")
+    if spec.grad_checkpointing:
+        argv.append("--grad-checkpointing")
+    return argv
 
 
 class _GradProbe:
     """Records DeepSpeed's reduced full gradients at the first optimizer step.
 
-    It wraps the client optimizer's ``step``: DeepSpeed calls that after the gradient reduction
-    (for ZeRO, inside its own step), the one moment the final averaged gradient exists on every
-    stage. Every rank assembles every parameter's gradient (collectives in the same order).
+    It wraps the step of the engine's basic optimizer (the torch or CPU Adam that DeepSpeed built from the
+    config): DeepSpeed calls it after the gradient reduction (for ZeRO, inside its own step), the one
+    moment the final averaged gradient exists on every stage. Every rank assembles every parameter's
+    gradient (collectives in the same order). Observation only: the wrapped step runs unchanged.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.engine = None
+    def __init__(self, engine):
+        self.engine = engine
         self.captured: dict[str, torch.Tensor] | None = None
+        optimizer = engine.basic_optimizer
         inner_step = optimizer.step
 
         def step(*args, **kwargs):
-            if self.engine is not None:  # some wrappers step once while the engine is being built
-                self.capture()
+            self.capture()
             return inner_step(*args, **kwargs)
 
         optimizer.step = step
@@ -208,17 +225,13 @@ class _GradProbe:
     def _zero12_grad(p, flat: torch.Tensor) -> torch.Tensor:
         # ZeRO-1/2 have already moved the reduced gradient into the flat fp32 partition that the
         # optimizer steps (DeepSpeed's own accessor refuses at this point): read each rank's
-        # fragment from there and sum the fragments over the data-parallel group.
-        import torch.distributed as dist
-
+        # fragment from there and sum the fragments over the ranks (ds_clip runs data parallel only).
         buf = torch.zeros(p.numel(), dtype=torch.float32)
         m = p._hp_mapping
         if m is not None:
             frag = flat.grad.narrow(0, m.hp_fragment_address.start, m.hp_fragment_address.numel)
             buf.narrow(0, m.lp_fragment_address.start, m.lp_fragment_address.numel).copy_(frag.float().cpu())
-        buf = buf.to(p.device)
-        dist.all_reduce(buf, group=p._dp_group)
-        return buf.view(p.shape)
+        return distributed.all_reduce_sum(buf).view(p.shape)
 
 
 def full_params(engine) -> dict[str, torch.Tensor]:
@@ -235,27 +248,27 @@ def full_params(engine) -> dict[str, torch.Tensor]:
 
 
 def run_in_group(spec: RunSpec) -> RunResult:
-    """Train ``spec`` on every rank of the current process group; every rank returns the result."""
-    import deepspeed
+    """Train ``spec`` on every rank of the current process group; every rank returns the result.
+
+    The engine and loss are ``ds_clip.engine.build_engine``'s from the flags of ``train_argv(spec)``."""
     import torch.distributed as dist
 
-    from ds_clip.model import build_model, param_groups, prepare_for_deepspeed
+    from ds_clip.config import parse_settings
+    from ds_clip.engine import build_engine, build_model_bundle
     from ds_clip.step import cached_step
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    bundle = build_model(spec.model, seed=spec.seed, grad_checkpointing=spec.grad_checkpointing)
-    model = bundle.model
-    prepare_for_deepspeed(model)
-    groups = param_groups(model, weight_decay=0.0)
-    if spec.optimizer == "sgd":
-        opt = torch.optim.SGD(groups, lr=spec.lr)
-    else:
-        opt = torch.optim.AdamW(groups, lr=spec.lr, eps=spec.eps, betas=(0.9, 0.98))
-    probe = _GradProbe(opt) if spec.capture_grads else None
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config_for(spec, world_size))
-    if probe is not None:
-        probe.engine = engine
-    loss_fn = ContrastiveLoss(spec.loss, rank=rank, world_size=world_size)
+    with tempfile.TemporaryDirectory() as preset_dir:
+        settings = parse_settings(train_argv(spec, preset_dir))
+        bundle = build_model_bundle(settings)
+        built = build_engine(
+            settings, bundle, rank=rank, world_size=world_size, total_steps=FLAT_SCHEDULE_STEPS
+        )
+    engine, loss_fn = built.engine, built.loss_fn
+    if spec.loss.tile_size != LossSpec().tile_size:
+        # No flag sets the tile size; a small tile makes an 8-pair test batch span several tiles.
+        loss_fn.spec = dataclasses.replace(loss_fn.spec, tile_size=spec.loss.tile_size)
+    probe = _GradProbe(engine) if spec.capture_grads else None
     engine.train()
     losses, per_step_ops, skipped = [], [], []
     comms = None
@@ -327,7 +340,7 @@ def _group_entry(rank: int, world_size: int, port: int, fn: Callable, args: tupl
         torch.save(result, os.path.join(out_dir, "result.pt"))
     import torch.distributed as dist
 
-    dist.barrier()
+    distributed.barrier()
     dist.destroy_process_group()
 
 
@@ -385,3 +398,181 @@ def oracle_first_step(spec: RunSpec, world_size: int) -> tuple[dict[str, torch.T
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return grads, float(loss.detach())
+
+
+# ------------------------------------------------------------------------------ tiny models (no download)
+
+# For runs of the real CLI: the built-in captions go through open_clip's SimpleTokenizer, so the text
+# tower needs its full vocabulary.
+E2E_MODEL = {
+    "embed_dim": 16,
+    "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 16, "head_width": 16},
+    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+}
+
+TEXT = {"context_length": 8, "vocab_size": 64, "width": 32, "heads": 2, "layers": 1}
+
+VIT_VISION = {
+    "image_size": 16,
+    "layers": 1,
+    "width": 32,
+    "patch_size": 8,
+    "head_width": 16,
+    "patch_dropout": 0.25,
+}
+
+CONFIGS: dict[str, dict] = {
+    # native open_clip ViT with FLIP-style patch dropout (draws from the CPU generator)
+    "vit": {
+        "embed_dim": 16,
+        "vision_cfg": VIT_VISION,
+        "text_cfg": TEXT,
+    },
+    "vit_siglip": {
+        "embed_dim": 16,
+        "init_logit_bias": -10.0,
+        "vision_cfg": VIT_VISION,
+        "text_cfg": TEXT,
+    },
+    # timm tower with nn.Dropout (head) and DropPath (stochastic depth)
+    "timm_dropout": {
+        "embed_dim": 16,
+        "vision_cfg": {
+            "image_size": 32,
+            "timm_model_name": "test_vit",
+            "timm_model_pretrained": False,
+            "timm_pool": "avg",
+            "timm_proj": "linear",
+            "timm_drop": 0.2,
+            "timm_drop_path": 0.1,
+        },
+        "text_cfg": TEXT,
+    },
+    # open_clip's ModifiedResNet: BatchNorm running statistics
+    "resnet_bn": {
+        "embed_dim": 16,
+        "vision_cfg": {"image_size": 32, "layers": [1, 1, 1, 1], "width": 8, "head_width": 8},
+        "text_cfg": TEXT,
+    },
+}
+
+
+def write_model_dirs(root: Path) -> dict[str, str]:
+    """Write every config as ROOT/NAME/open_clip_config.json; return NAME -> 'local-dir:...'."""
+    names = {}
+    for name, cfg in CONFIGS.items():
+        d = root / name
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "open_clip_config.json").write_text(json.dumps({"model_cfg": cfg, "preprocess_cfg": {}}))
+        names[name] = f"local-dir:{d}"
+    return names
+
+
+# ------------------------------------------------------------------------------ the equivalence matrix
+# Shared by tests/test_equivalence.py and scripts/equivalence_report.py.
+
+M = 2  # pairs per micro-batch
+# BatchNorm normalises with the statistics of each micro-batch; over 2 samples that is ill-conditioned
+# enough to amplify fp32 rounding past 1e-5, so the BatchNorm tower gets 4.
+BN_M = 4
+STEPS = 3
+# AdamW turns float noise into full-size updates where the true gradient is ~0 (attention key
+# biases get exactly zero gradient: softmax ignores them). eps=1e-4 sits below the typical gradient
+# entry of these models (1e-3..1e-1) so real gradients still get Adam's normalised update (a
+# gradient counted twice changes the update wherever |g| is near eps), while rounding noise of
+# ~1e-9 moves a parameter by at most lr*1e-5.
+ADAM = {"lr": 1e-3, "eps": 1e-4}
+
+GLOBAL = LossSpec()
+GLOBAL_GWG = LossSpec(gather_with_grad=True)
+LOCAL = LossSpec(local_loss=True, gather_with_grad=True)
+SIGLIP = LossSpec(siglip=True)
+TILED = LossSpec(impl="tiled", tile_size=3)
+TILED_LOCAL = LossSpec(local_loss=True, gather_with_grad=True, impl="tiled", tile_size=3)
+TILED_SIGLIP = LossSpec(siglip=True, impl="tiled", tile_size=3)
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    zero_stage: int
+    precision: str = "fp32"
+    loss: LossSpec = GLOBAL
+    offload: bool = False
+    grad_checkpointing: bool = False
+
+    @property
+    def name(self) -> str:
+        loss = "siglip" if self.loss.siglip else ("local" if self.loss.local_loss else "global")
+        if self.loss.gather_with_grad and not self.loss.local_loss:
+            loss += "-gwg"
+        if self.loss.impl == "tiled":
+            loss += "-tiled"
+        extra = ("-offload" if self.offload else "") + ("-ckpt" if self.grad_checkpointing else "")
+        return f"{self.model}-z{self.zero_stage}-{self.precision}-{loss}{extra}"
+
+
+def _matrix() -> list[Case]:
+    cases = []
+    for stage in range(4):
+        for precision in ("fp32", "bf16"):
+            cases.append(Case("vit", stage, precision, GLOBAL))
+            cases.append(Case("vit", stage, precision, LOCAL))
+            cases.append(Case("vit_siglip", stage, precision, SIGLIP))
+    cases += [Case("vit", stage, "fp32", GLOBAL, offload=True) for stage in (1, 2, 3)]
+    cases += [Case("vit", stage, "fp32", GLOBAL, grad_checkpointing=True) for stage in (0, 3)]
+    cases += [Case("vit", 2, "fp32", GLOBAL_GWG)]
+    cases += [
+        Case("vit", 0, "fp32", TILED),
+        Case("vit", 2, "fp32", TILED),
+        Case("vit", 3, "fp32", TILED_LOCAL),
+    ]
+    cases += [Case("vit_siglip", 1, "fp32", TILED_SIGLIP)]
+    cases += [Case("timm_dropout", stage, "fp32", GLOBAL) for stage in (0, 3)]
+    cases += [Case("resnet_bn", stage, "fp32", GLOBAL) for stage in (0, 2)]
+    return cases
+
+
+def fp16_supported() -> bool:
+    # DeepSpeed's CPU accelerator runs fp16 only where the CPU has AVX512-FP16 (it answers None
+    # otherwise); on a GPU it is True.
+    from deepspeed.accelerator import get_accelerator
+
+    return bool(get_accelerator().is_fp16_supported())
+
+
+FP16_CASES = [Case("vit", stage, "fp16", GLOBAL) for stage in (1, 2, 3)]
+CASES = _matrix() + (FP16_CASES if fp16_supported() else [])
+FP32_CASES = [c for c in CASES if c.precision == "fp32"]
+BF16_CASES = [c for c in CASES if c.precision == "bf16"]
+
+
+def spec_for(case: Case, models: dict[str, str], k: int) -> RunSpec:
+    return RunSpec(
+        model=models[case.model],
+        micro_batch_size=BN_M if case.model == "resnet_bn" else M,
+        accum_freq=k,
+        steps=STEPS,
+        zero_stage=case.zero_stage,
+        precision=case.precision,
+        offload=case.offload,
+        loss=case.loss,
+        grad_checkpointing=case.grad_checkpointing,
+        capture_grads=True,
+        name=case.name,
+        **ADAM,
+    )
+
+
+def oracle_errors(result, oracle_grads, floor: float) -> dict[str, float]:
+    """Per-parameter error ||g - g_oracle|| / max(||g_oracle||, floor * ||total oracle gradient||).
+
+    The floor matters only for parameters whose true gradient nearly cancels (attention key biases
+    get exactly 0, attention-pool q/k projections ~1e-6 of the total at init): there the bare
+    relative error measures float noise, not the step. Every other parameter is held to its own norm.
+    """
+    total = float(torch.sqrt(sum(g.pow(2).sum() for g in oracle_grads.values())))
+    return {
+        name: float((result.grads[name].reshape(g.shape) - g).norm()) / max(float(g.norm()), floor * total)
+        for name, g in oracle_grads.items()
+    }
