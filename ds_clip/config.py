@@ -1,27 +1,42 @@
-"""Typed training settings: command line -> `TrainSettings` -> validation.
+"""Typed training settings, the one source of every flag: sections of fields -> CLI, --help, docs, checks.
 
-    python -m ds_clip.train --help          # every flag, one line each, with units
+    python -m ds_clip.train --help                    # every flag, by section, with units and defaults
+    python scripts/gen_configuration_doc.py           # rewrites docs/configuration.md from these fields
+
+Each field of a section below is one flag: its type, default and docstring make the flag, its --help line
+and its row in docs/configuration.md; small metadata (`opt(...)`) adds what the field cannot say (another
+flag name, choices, a unit, how the flag relates to open_clip's). `ds-clip-eval` builds its shared flags
+(`--val-data`, `--batch-size`, ...) from the same fields (`add_flags`).
 
 Precedence: command-line flag > DeepSpeed preset (`--ds-config`) > the defaults below. Engine settings
 (ZeRO, offload, communication) live only in the preset; batch sizes, accumulation, optimizer and
 precision come from flags, and `ds_clip.ds_config.resolve_ds_config` refuses a preset that disagrees.
 
-Validation is cheap and imports neither deepspeed nor torch.distributed, so a bad flag fails in a second,
-before any process group starts. `open_clip` is imported only to check an unknown `--model` name.
+Validation (`validate`) is one pass, cheap, and imports neither deepspeed nor torch.distributed, so a bad
+flag fails in a second, before any process group starts. `open_clip` is imported only to check an unknown
+`--model` name.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import functools
 import importlib.util
+import inspect
 import re
-from dataclasses import dataclass, field
+import textwrap
+import typing
+from collections.abc import Iterable
+from dataclasses import MISSING, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ds_clip.errors import UserError
+from ds_clip.ds_config import check_preset
+from ds_clip.presets import SettingsError, preset_precision
+from ds_clip.urls import ShardPatternError, expand_shards
 
 BUILTIN_MODELS = ("ds-clip-tiny", "ds-clip-tiny-siglip")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -29,350 +44,470 @@ LOSS_IMPLS = ("auto", "dense", "tiled")
 DATASET_TYPES = ("synthetic", "webdataset")
 REPORTERS = ("tensorboard", "csv", "wandb")
 LOCAL_DIR_PREFIX = "local-dir:"
+# A synthetic run without --train-num-samples trains this many pairs per epoch.
+DEFAULT_SYNTHETIC_SAMPLES = 25_600
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "CheckpointSettings",
+    "DataSettings",
+    "DistSettings",
+    "EvalSectionSettings",
+    "Flag",
+    "LoggingSettings",
+    "LossSettings",
+    "ModelSettings",
+    "OptimSettings",
+    "SettingsError",
+    "TrainSettings",
+    "add_flags",
+    "build_parser",
+    "check_data",
+    "check_eval",
+    "default_run_name",
+    "flags",
+    "parse_settings",
+    "settings_to_dict",
+    "validate",
+]
 
 
-class SettingsError(UserError):
-    """Bad user input. The message is one line naming the flag (or file, or JSON key) at fault.
+def opt(
+    default: Any = MISSING,
+    *,
+    default_factory: Any = MISSING,
+    flag: str | None = None,
+    aliases: tuple[str, ...] = (),
+    choices: tuple[str, ...] | None = None,
+    metavar: str | None = None,
+    unit: str = "",
+    open_clip: str = "same",
+    default_text: str | None = None,
+    derived: bool = False,
+    hidden: bool = False,
+) -> Any:
+    """A settings field and what its flag needs beyond type, default and docstring.
 
-    The entry point prints `ds-clip-train: error: <message>` and exits with status 2, like argparse.
+    flag: the option when it is not "--" + the field name with "-" for "_"; aliases: more spellings.
+    unit: what the number counts (steps, pairs, seconds...), shown in --help and the docs.
+    open_clip: "same" (open_clip_train's flag, same meaning and default), "differs: <how>", or
+    "ds_clip only". default_text: how --help shows a default that is not a plain value.
+    derived: the command line leaves it None and `parse_settings` derives it (--dataset-type, --precision).
+    hidden: a flag users do not set (the launcher's --local_rank): no --help line.
     """
+    meta = dict(
+        flag=flag, aliases=aliases, choices=choices, metavar=metavar, unit=unit, open_clip=open_clip,
+        default_text=default_text, derived=derived, hidden=hidden,
+    )  # fmt: skip
+    return field(default=default, default_factory=default_factory, metadata=meta)
+
+
+# ------------------------------------------------------------------------------------------------ sections
+
+
+@dataclass
+class ModelSettings:
+    """model: which open_clip model is trained, from which weights."""
+
+    model: str = opt(
+        "ds-clip-tiny", metavar="NAME", open_clip="differs: adds the built-in tiny models; default RN50 there"
+    )
+    """"ds-clip-tiny", "ds-clip-tiny-siglip" (built in, no download), an open_clip model name, or
+    "local-dir:PATH" (a folder holding open_clip_config.json and, optionally, weights)."""
+    pretrained: str | None = opt(
+        None, metavar="PATH", open_clip="differs: local files and folders only; open_clip also downloads tags"
+    )
+    """Local weights file or folder (an export) for a named model. URLs and hub tags are refused (no
+    downloads); not with local-dir: (put the weights in that folder)."""
+    grad_checkpointing: bool = opt(False)
+    """Recompute tower activations in backward (open_clip's set_grad_checkpointing): less memory, more
+    compute."""
+
+
+@dataclass
+class DataSettings:
+    """data: the training pairs (ds_clip.data.build_train_data reads this section as it is)."""
+
+    train_data: str | None = opt(None, metavar="PATTERN", open_clip="differs: globs are expanded too")
+    """Webdataset shards: brace patterns ("shards/{00000..00127}.tar"), globs, local paths or file:PATH,
+    pipe: commands and URLs, several sources joined by "::". Local sources must exist."""
+    dataset_type: str = opt(
+        "synthetic",
+        choices=DATASET_TYPES,
+        derived=True,
+        default_text="synthetic without --train-data, webdataset with it",
+        open_clip="differs: synthetic or webdataset only (no csv, no auto)",
+    )
+    """"synthetic" (rendered pairs, no files) or "webdataset" (tar shards)."""
+    train_num_samples: int | None = opt(
+        None,
+        metavar="N",
+        unit="pairs",
+        default_text=f"{DEFAULT_SYNTHETIC_SAMPLES} for synthetic data, the shards' size for webdataset",
+    )
+    """Training pairs per epoch. Needed for resampled webdataset and shards without a size file; in
+    exact-epoch webdataset mode an optional cap."""
+    dataset_resampled: bool = opt(False)
+    """Draw shards with replacement (seeded per epoch and rank); an epoch is then --train-num-samples
+    pairs. Without it every sample is seen exactly once per epoch."""
+    image_key: str = opt("jpg;jpeg;png;webp", metavar="KEYS", open_clip="ds_clip only")
+    """Webdataset member extensions tried in order for the image, ";"-separated."""
+    caption_key: str = opt("txt", metavar="KEYS", open_clip="ds_clip only")
+    """Webdataset member extensions tried in order for the caption, ";"-separated."""
+    workers: int = opt(1, metavar="N", unit="processes", open_clip="differs: default 4 there")
+    """Data-loader worker processes per rank (0: load in the training process)."""
+    seed: int = opt(0, metavar="N")
+    """Random seed of the run: model initialisation, each micro-batch's RNG, the synthetic pairs, the
+    shard order, the sample shuffle and each sample's augmentation. Each rank derives its own."""
+    synthetic_image_size: int | None = opt(
+        None, metavar="PX", unit="pixels", default_text="the model's image size", open_clip="ds_clip only"
+    )
+    """Side at which synthetic images are rendered (the model's preprocess then resizes); 64 when the
+    data is built without a model."""
+    shuffle_buffer: int = opt(1000, metavar="N", unit="samples", open_clip="ds_clip only")
+    """Undecoded webdataset samples each worker shuffles over; 0 or 1: no sample shuffle."""
+
+
+@dataclass
+class OptimSettings:
+    """optim: batch sizes, length of the run, AdamW (run by DeepSpeed) and the cosine schedule."""
+
+    batch_size: int = opt(8, metavar="M", unit="pairs", open_clip="differs: default 64 there")
+    """Pairs per rank per forward pass: the micro-batch m."""
+    accum_freq: int = opt(1, metavar="K", unit="micro-batches")
+    """k: micro-batches per optimizer step; the loss sees all N = k*m*W pairs at once (exact cached
+    features), so one step moves the model as one process would on the whole N-pair batch."""
+    epochs: int = opt(1, metavar="N", unit="epochs", open_clip="differs: default 32 there")
+    """Passes over the training data; --max-steps, when set, stops earlier."""
+    max_steps: int | None = opt(None, metavar="STEPS", unit="steps", open_clip="ds_clip only")
+    """Stop after this many optimizer steps; none: run all epochs."""
+    lr: float = opt(5e-4, metavar="LR", open_clip="differs: default from the model there (5e-4 for ViTs)")
+    """Peak learning rate, reached after warmup; cosine decay to 0 over the run."""
+    wd: float = opt(0.2, metavar="WD")
+    """AdamW weight decay (decoupled; not applied to gains, biases and logit_scale)."""
+    warmup: int = opt(0, metavar="STEPS", unit="steps", open_clip="differs: default 10000 there")
+    """Linear learning-rate warmup; open_clip's 10000 suits long runs, 0 short ones."""
+    beta1: float = opt(0.9, metavar="B1", open_clip="differs: default from the model there (0.9 for ViTs)")
+    """AdamW beta1 (first-moment decay)."""
+    beta2: float = opt(0.98, metavar="B2", open_clip="differs: default from the model there (0.98 for ViTs)")
+    """AdamW beta2 (second-moment decay)."""
+    eps: float = opt(1e-6, metavar="EPS", open_clip="differs: default from the model there (1e-6 for ViTs)")
+    """AdamW epsilon."""
+    grad_clip_norm: float | None = opt(None, metavar="NORM", unit="L2 norm")
+    """Clip the global gradient L2 norm to this value (DeepSpeed gradient_clipping); none: no clipping."""
+    max_skipped_steps: int = opt(10, metavar="N", unit="steps", open_clip="ds_clip only")
+    """Stop with an error after this many consecutive optimizer steps whose loss or gradient was not
+    finite (each one skipped on every rank); the last complete checkpoint is kept."""
+
+
+@dataclass
+class LossSettings:
+    """loss: which contrastive loss, and how its logit matrix is computed across ranks."""
+
+    local_loss: bool = opt(False)
+    """Each rank computes the loss rows of its own pairs against all columns; needs --gather-with-grad
+    for the full-batch gradient."""
+    gather_with_grad: bool = opt(False)
+    """All-gather features with a backward that reduces, so every rank gets the full-batch gradient."""
+    siglip: bool = opt(False)
+    """Sigmoid (SigLIP) loss instead of the softmax CLIP loss."""
+    loss_impl: str = opt("auto", choices=LOSS_IMPLS, open_clip="ds_clip only")
+    """"dense" (whole logit matrix in memory), "tiled" (blocks of it, O(tile*N) memory) or "auto": tiled
+    from a global batch of 8192 pairs on, where it is also the faster one (docs/loss.md), dense below."""
+
+
+@dataclass
+class CheckpointSettings:
+    """checkpoint: when to save, how many to keep, where to resume from."""
+
+    save_every_n_steps: int | None = opt(
+        None,
+        metavar="STEPS",
+        unit="steps",
+        default_text="the end only",
+        open_clip="differs: open_clip has --save-frequency, in epochs",
+    )
+    """Save a DeepSpeed checkpoint every this many optimizer steps (and always at the end)."""
+    keep_checkpoints: int | None = opt(
+        None,
+        metavar="N",
+        unit="checkpoints",
+        default_text="all",
+        open_clip="ds_clip only (open_clip: --delete-previous-checkpoint)",
+    )
+    """Keep only the newest N complete checkpoints; older ones are deleted after a newer one is complete."""
+    resume: str | None = opt(None, metavar="latest|DIR")
+    """"latest" (the latest complete checkpoint of the run named by --name) or a checkpoint folder."""
+
+
+@dataclass
+class EvalSectionSettings:
+    """eval: validation data and when to evaluate (ds_clip.evaluate.EvalSettings is built from it)."""
+
+    val_data: str | None = opt(None, metavar="PATTERN", open_clip='differs: also "synthetic"')
+    """Validation shards (same syntax as --train-data) or "synthetic" (held-out pairs of the built-in
+    dataset)."""
+    val_num_samples: int | None = opt(None, metavar="N", unit="pairs", default_text="all (512 for synthetic)")
+    """Validation pairs evaluated."""
+    val_every_n_steps: int | None = opt(
+        None,
+        metavar="STEPS",
+        unit="steps",
+        default_text="the end only",
+        open_clip="differs: open_clip has --val-frequency, in epochs",
+    )
+    """Evaluate on --val-data every this many optimizer steps (and always at the end)."""
+    zeroshot_classes: str | None = opt(
+        None, metavar="FILE", open_clip="ds_clip only (open_clip: --imagenet-val)"
+    )
+    """Zero-shot classification: a JSON file {"classnames": [...], "templates": [...]} (templates with
+    "{c}", or "simple"/"openai" for open_clip's lists) or a text file, one class a line. Needs --val-data."""
+
+
+@dataclass
+class LoggingSettings:
+    """logging: the run folder and what is logged to it."""
+
+    # "--log-dir" because torchrun (torch >= 2.x) takes "--logs" for a prefix of its own "--logs-specs".
+    logs: str = opt("./logs", metavar="DIR", aliases=("--log-dir",), open_clip="same; alias --log-dir")
+    """Folder holding one sub-folder per run (settings, DeepSpeed JSON, metrics, checkpoints). Under
+    torchrun write --log-dir (torchrun claims --logs as a prefix of its --logs-specs)."""
+    name: str | None = opt(None, metavar="NAME", default_text="date-time, model, m, k")
+    """Run folder name under --logs; default "YYYY_mm_dd-HH_MM_SS-model_<model>-m_<m>-k_<k>" (rank 0's)."""
+    log_every_n_steps: int = opt(10, metavar="STEPS", unit="steps", open_clip="differs: default 100 there")
+    """Log loss, learning rate and samples/s every this many optimizer steps."""
+    report_to: list[str] = opt(
+        default_factory=list,
+        metavar="LIST",
+        default_text="console only",
+        open_clip="differs: a comma list of tensorboard, csv, wandb",
+    )
+    """Metric sinks besides the console, comma-separated: any of "tensorboard", "csv", "wandb"."""
+
+
+@dataclass
+class DistSettings:
+    """dist: DeepSpeed (preset, ZeRO stage, precision) and the process group."""
+
+    ds_config: str | None = opt(
+        None, metavar="NAME|PATH", default_text="zero1_<precision>", open_clip="ds_clip only"
+    )
+    """DeepSpeed preset name (ds_configs/<name>.json) or path to a JSON of engine settings."""
+    zero_stage: int | None = opt(
+        None, metavar="{0,1,2,3}", default_text="the preset's", open_clip="ds_clip only"
+    )
+    """ZeRO stage 0-3, overriding the preset's zero_optimization.stage."""
+    precision: str = opt(
+        "fp32",
+        choices=PRECISIONS,
+        derived=True,
+        default_text="the preset's, else fp32",
+        open_clip="differs: fp32, bf16, fp16 through DeepSpeed (open_clip: amp, amp_bf16, pure_bf16...)",
+    )
+    """DeepSpeed mixed precision: "fp32", "bf16" or "fp16" (dynamic loss scaling)."""
+    dist_timeout: float = opt(1800.0, metavar="SECONDS", unit="seconds", open_clip="ds_clip only")
+    """How long a collective waits for the other ranks before this rank fails (a dead rank)."""
+    local_rank: int = opt(-1, flag="--local_rank", aliases=("--local-rank",), hidden=True)
+    """Appended by the deepspeed launcher (--local_rank=N); not for users, unused otherwise."""
 
 
 @dataclass
 class TrainSettings:
-    """Everything one training run needs, flat, with open_clip's names where open_clip has them.
+    """Everything one training run needs: one section per concern, each field one flag.
 
-    Sizes: m = `batch_size` pairs per rank per micro-batch, k = `accum_freq` micro-batches per optimizer
-    step, W = world size; one optimizer step sees N = m * k * W pairs and moves the model as one process
-    would on the whole N-pair batch (see shared/notes/gradient-contract.md).
+    Sizes: m = `optim.batch_size` pairs per rank per micro-batch, k = `optim.accum_freq` micro-batches per
+    optimizer step, W = world size; one optimizer step sees N = m * k * W pairs and moves the model as one
+    process would on the whole N-pair batch (see shared/notes/gradient-contract.md).
+
+    Field names are unique across sections (each is its flag's dest): `TrainSettings.of(batch_size=4)`
+    and settings.json use them flat.
     """
 
-    # --- model ---
-    model: str = "ds-clip-tiny"
-    """Model: "ds-clip-tiny", "ds-clip-tiny-siglip" (built-in, no download), an open_clip model name, or
-    "local-dir:PATH" (a folder holding open_clip_config.json and, optionally, weights)."""
-    pretrained: str | None = None
-    """Local weights file or folder for a named model. URLs and hub tags are refused (no downloads)."""
-    grad_checkpointing: bool = False
-    """Recompute tower activations in backward (open_clip's set_grad_checkpointing): less memory, more compute."""
+    model: ModelSettings = field(default_factory=ModelSettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    optim: OptimSettings = field(default_factory=OptimSettings)
+    loss: LossSettings = field(default_factory=LossSettings)
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    eval: EvalSectionSettings = field(default_factory=EvalSectionSettings)
+    logging: LoggingSettings = field(default_factory=LoggingSettings)
+    dist: DistSettings = field(default_factory=DistSettings)
 
-    # --- data ---
-    train_data: str | None = None
-    """Webdataset shards, brace patterns allowed, several sources joined with "::". None: synthetic data."""
-    val_data: str | None = None
-    """Validation shards, same syntax as train_data, or "synthetic" (held-out pairs of the built-in dataset)."""
-    dataset_type: str = "synthetic"
-    """"synthetic" (random pairs, no files) or "webdataset". parse_settings picks synthetic when no
-    --train-data is given, webdataset otherwise."""
-    train_num_samples: int | None = None
-    """Training pairs per epoch (samples); needed for webdataset shards without a size file."""
-    val_num_samples: int | None = None
-    """Validation pairs (samples); None: all of --val-data (512 for "synthetic")."""
-    dataset_resampled: bool = False
-    """Draw shards with replacement (webdataset); an epoch is then train_num_samples draws."""
-    image_key: str = "jpg;jpeg;png;webp"
-    """Webdataset keys tried for the image, ";"-separated, first match wins."""
-    caption_key: str = "txt"
-    """Webdataset key of the caption."""
-    workers: int = 1
-    """Data-loader worker processes per rank (0: load in the training process)."""
+    @classmethod
+    def section_types(cls) -> dict[str, type]:
+        """Section name -> its dataclass, in order ("model": ModelSettings, ...)."""
+        return dict(_SECTIONS)
 
-    # --- batch and schedule ---
-    batch_size: int = 8
-    """Micro-batch m: pairs per rank per forward pass (samples)."""
-    accum_freq: int = 1
-    """k: micro-batches per optimizer step; the loss sees all k*m*W pairs at once (exact cached features)."""
-    epochs: int = 1
-    """Passes over the training data (epochs); max_steps, when set, stops earlier."""
-    max_steps: int | None = None
-    """Stop after this many optimizer steps (steps); None: run all epochs."""
-
-    # --- optimizer (AdamW, run by DeepSpeed) and schedule (ds_clip's cosine with linear warmup) ---
-    lr: float = 5e-4
-    """Peak learning rate (per optimizer step, reached after warmup)."""
-    wd: float = 0.2
-    """AdamW weight decay (decoupled, per step, times lr)."""
-    warmup: int = 0
-    """Linear learning-rate warmup (optimizer steps). open_clip uses 10000 for long runs; 0 suits short ones."""
-    beta1: float = 0.9
-    """AdamW beta1 (first-moment decay)."""
-    beta2: float = 0.98
-    """AdamW beta2 (second-moment decay)."""
-    eps: float = 1e-6
-    """AdamW epsilon."""
-    grad_clip_norm: float | None = None
-    """Clip the global gradient L2 norm to this value (DeepSpeed gradient_clipping); None: no clipping."""
-
-    # --- numerics and loss ---
-    precision: str = "fp32"
-    """"fp32", "bf16" or "fp16" (DeepSpeed mixed precision; fp16 with dynamic loss scaling)."""
-    local_loss: bool = False
-    """Each rank computes the loss rows of its own pairs against all columns (needs gather_with_grad)."""
-    gather_with_grad: bool = False
-    """All-gather features with a backward that reduces, so every rank gets the full-batch gradient."""
-    siglip: bool = False
-    """Sigmoid (SigLIP) loss instead of the softmax CLIP loss."""
-    loss_impl: str = "auto"
-    """"dense" (whole logit matrix in memory), "tiled" (blocks of the logit matrix, O(tile*N) memory) or
-    "auto": tiled from a global batch of TILED_FROM_N pairs on, where it is also the faster one
-    (docs/loss.md), dense below."""
-    seed: int = 0
-    """Random seed; each rank derives its own from it."""
-
-    # --- logging, checkpoints, evaluation ---
-    logs: str = "./logs"
-    """Folder holding one sub-folder per run (settings, DeepSpeed JSON, metrics, checkpoints)."""
-    name: str | None = None
-    """Run folder name under logs. parse_settings fills None with
-    "YYYY_mm_dd-HH_MM_SS-model_<model>-m_<m>-k_<k>"; ranks may start in different seconds, so the trainer
-    should use rank 0's name on every rank."""
-    log_every_n_steps: int = 10
-    """Log loss, learning rate and samples/s every this many optimizer steps (steps)."""
-    save_every_n_steps: int | None = None
-    """Save a DeepSpeed checkpoint every this many optimizer steps (steps); None: only at the end."""
-    val_every_n_steps: int | None = None
-    """Evaluate on val_data every this many optimizer steps (steps); None: only at the end."""
-    max_skipped_steps: int = 10
-    """Stop with an error after this many consecutive optimizer steps whose loss or gradient was not
-    finite (each one skipped on every rank); the last complete checkpoint is kept."""
-    dist_timeout: float = 1800.0
-    """Seconds a collective may wait for the other ranks before this rank gives up (a dead rank)."""
-    keep_checkpoints: int | None = None
-    """Keep only the newest N complete checkpoints (older ones are deleted after a newer one is complete);
-    None: keep all."""
-    zeroshot_classes: str | None = None
-    """Zero-shot classification during evaluation: a JSON file {"classnames": [...], "templates": [...]}
-    (templates with "{c}", or "simple"/"openai" for open_clip's lists) or a text file, one class a line."""
-    resume: str | None = None
-    """None, "latest" (latest checkpoint of the run named by --name), or a checkpoint folder."""
-    report_to: list[str] = field(default_factory=list)
-    """Metric sinks besides the console: any of "tensorboard", "csv", "wandb"."""
-
-    # --- DeepSpeed ---
-    ds_config: str | None = None
-    """DeepSpeed preset name (ds_configs/<name>.json) or path to a JSON; None: "zero1_<precision>"."""
-    zero_stage: int | None = None
-    """ZeRO stage 0-3, overriding the preset's zero_optimization.stage; None: keep the preset's."""
-    local_rank: int = -1
-    """Set by the deepspeed launcher (--local_rank=N); not used otherwise (-1: not given)."""
+    @classmethod
+    def of(cls, **values: Any) -> TrainSettings:
+        """Settings from flat field names (`of(batch_size=4, precision="bf16")`); the rest default."""
+        sections: dict[str, dict[str, Any]] = {f.section: {} for f in flags()}
+        by_name = {f.name: f for f in flags()}
+        for name, value in values.items():
+            if name not in by_name:
+                raise TypeError(f"TrainSettings has no field {name!r}")
+            sections[by_name[name].section][name] = value
+        return cls(**{sec: _SECTIONS[sec](**kw) for sec, kw in sections.items()})
 
 
-def _optional_int(text: str) -> int | None:
-    return None if text.lower() == "none" else int(text)
+_SECTIONS: dict[str, type] = {
+    f.name: typing.get_type_hints(TrainSettings)[f.name] for f in dataclasses.fields(TrainSettings)
+}
 
 
-def _optional_float(text: str) -> float | None:
-    return None if text.lower() == "none" else float(text)
+# ---------------------------------------------------------------------------------------- fields -> flags
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One flag, as the fields define it: what the parser, --help and docs/configuration.md show."""
+
+    section: str
+    name: str
+    """The field name, also the argparse dest and the key in settings.json."""
+    options: tuple[str, ...]
+    """The option strings, the main one first."""
+    type: Any
+    default: Any
+    doc: str
+    meta: dict[str, Any]
+
+    @property
+    def option(self) -> str:
+        return self.options[0]
+
+    @property
+    def is_switch(self) -> bool:
+        return self.type is bool
+
+    def shown_default(self) -> str:
+        """The default as --help and the docs show it."""
+        if self.meta["default_text"] is not None:
+            return self.meta["default_text"]
+        if self.is_switch:
+            return "off"
+        if self.default is None:
+            return "none"
+        return ",".join(self.default) or "none" if isinstance(self.default, list) else str(self.default)
+
+    def type_text(self) -> str:
+        """Type and unit, for the docs table."""
+        if self.is_switch:
+            return "switch"
+        if self.meta["choices"]:
+            return " \\| ".join(self.meta["choices"])
+        base = {int: "int", float: "float", str: "str"}.get(_base_type(self.type), "list")
+        return f"{base}, {self.meta['unit']}" if self.meta["unit"] else base
+
+
+def _base_type(tp: Any) -> Any:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if args and typing.get_origin(tp) is not list else tp
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of `cls` (a string right after the annotated assignment), one line."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(inspect.cleandoc(nxt.value.value).split())
+    return docs
+
+
+@functools.cache
+def flags() -> tuple[Flag, ...]:
+    """Every flag of ds-clip-train, in section order, built from the section dataclasses."""
+    out: list[Flag] = []
+    for section, cls in _SECTIONS.items():
+        hints, docs = typing.get_type_hints(cls), _field_docs(cls)
+        for f in dataclasses.fields(cls):
+            if f.name not in docs:
+                raise AssertionError(f"{cls.__name__}.{f.name} has no docstring (it is the flag's --help)")
+            option = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+            default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+            out.append(
+                Flag(section, f.name, (option, *f.metadata["aliases"]), hints[f.name], default, docs[f.name],
+                     dict(f.metadata))
+            )  # fmt: skip
+    names = [f.name for f in out]
+    assert len(names) == len(set(names)), "field names must be unique across sections"
+    return tuple(out)
+
+
+def flag_named(name: str) -> Flag:
+    """The flag of field `name` (e.g. "batch_size")."""
+    return next(f for f in flags() if f.name == name)
+
+
+def _optional(kind: type):
+    def parse(text: str):
+        return None if text.lower() == "none" else kind(text)
+
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
+    return parse
+
+
+def _comma_list(text: str) -> list[str]:
+    return [r.strip() for r in text.split(",") if r.strip()]
+
+
+def add_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    names: Iterable[str],
+    **overrides: dict[str, Any],
+) -> None:
+    """Add the flags of fields `names` to `parser`; `overrides[name]` changes add_argument keywords
+    (ds-clip-eval: `batch_size={"default": 64}`, `val_data={"required": True}`)."""
+    for name in names:
+        f = flag_named(name)
+        m = f.meta
+        kw: dict[str, Any] = {"dest": f.name}
+        if f.is_switch:
+            kw["action"] = "store_true"
+        else:
+            base = _base_type(f.type)
+            if typing.get_origin(f.type) is list:
+                kw["type"] = _comma_list
+            elif base in (int, float):
+                kw["type"] = _optional(base) if f.default is None else base
+            kw["default"] = (
+                None if m["derived"] else (list(f.default) if isinstance(f.default, list) else f.default)
+            )
+            if m["choices"]:
+                kw["choices"] = m["choices"]
+            if m["metavar"]:
+                kw["metavar"] = m["metavar"]
+        kw.update(overrides.get(name, {}))
+        shown = str(kw["default"]) if "default" in overrides.get(name, {}) else f.shown_default()
+        kw["help"] = argparse.SUPPRESS if m["hidden"] else _help(f, None if kw.get("required") else shown)
+        parser.add_argument(*f.options, **kw)
+
+
+def _help(f: Flag, shown_default: str | None) -> str:
+    """The --help line: the field's docstring, then its unit and default (none shown for a required flag)."""
+    notes = [f"unit: {f.meta['unit']}"] if f.meta["unit"] else []
+    notes += [] if f.is_switch or shown_default is None else [f"default: {shown_default}"]
+    return (f.doc + (f" ({'; '.join(notes)})" if notes else "")).replace("%", "%%")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line of `ds-clip-train` / `python -m ds_clip.train`; one flag per TrainSettings field."""
-    d = TrainSettings()
+    """The command line of `ds-clip-train` / `python -m ds_clip.train`: one flag per settings field."""
     p = argparse.ArgumentParser(
         prog="ds-clip-train",
         description="Train CLIP/SigLIP with DeepSpeed and exact cached-feature gradient accumulation: "
-        "one optimizer step = accum-freq micro-batches of batch-size pairs on every rank.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "one optimizer step = accum-freq micro-batches of batch-size pairs on every rank. "
+        "Steps are optimizer steps; pairs are image-text samples.",
     )
-    g = p.add_argument_group("model")
-    g.add_argument(
-        "--model",
-        metavar="NAME",
-        default=d.model,
-        help="ds-clip-tiny | ds-clip-tiny-siglip | open_clip name | local-dir:PATH",
-    )
-    g.add_argument(
-        "--pretrained",
-        metavar="PATH",
-        default=d.pretrained,
-        help="local weights file or folder (no URLs, no hub tags)",
-    )
-    g.add_argument(
-        "--grad-checkpointing", action="store_true", help="recompute activations in backward: less memory"
-    )
-
-    g = p.add_argument_group("data")
-    g.add_argument(
-        "--train-data",
-        metavar="PATTERN",
-        default=None,
-        help="webdataset shards: brace patterns, sources joined by '::'",
-    )
-    g.add_argument(
-        "--val-data",
-        metavar="PATTERN",
-        default=None,
-        help="validation shards (same syntax as --train-data) or 'synthetic'",
-    )
-    g.add_argument(
-        "--dataset-type",
-        choices=DATASET_TYPES,
-        default=None,
-        help="default: synthetic without --train-data, webdataset with it",
-    )
-    g.add_argument(
-        "--train-num-samples", metavar="N", type=int, default=None, help="training pairs per epoch (samples)"
-    )
-    g.add_argument(
-        "--val-num-samples",
-        metavar="N",
-        type=int,
-        default=None,
-        help="validation pairs (samples); default: all",
-    )
-    g.add_argument("--dataset-resampled", action="store_true", help="draw shards with replacement")
-    g.add_argument(
-        "--image-key", metavar="KEYS", default=d.image_key, help="webdataset image keys, ';'-separated"
-    )
-    g.add_argument("--caption-key", metavar="KEY", default=d.caption_key, help="webdataset caption key")
-    g.add_argument(
-        "--workers", metavar="N", type=int, default=d.workers, help="data-loader processes per rank"
-    )
-
-    g = p.add_argument_group("batch and schedule")
-    g.add_argument(
-        "--batch-size",
-        metavar="M",
-        type=int,
-        default=d.batch_size,
-        help="micro-batch m: pairs per rank per pass",
-    )
-    g.add_argument(
-        "--accum-freq",
-        metavar="K",
-        type=int,
-        default=d.accum_freq,
-        help="k: micro-batches per optimizer step",
-    )
-    g.add_argument("--epochs", metavar="N", type=int, default=d.epochs, help="passes over the training data")
-    g.add_argument(
-        "--max-steps",
-        metavar="STEPS",
-        type=_optional_int,
-        default=None,
-        help="stop after this many optimizer steps",
-    )
-
-    g = p.add_argument_group("optimizer (AdamW) and learning rate (cosine, linear warmup)")
-    g.add_argument("--lr", metavar="LR", type=float, default=d.lr, help="peak learning rate")
-    g.add_argument("--wd", metavar="WD", type=float, default=d.wd, help="AdamW weight decay")
-    g.add_argument(
-        "--warmup", metavar="STEPS", type=int, default=d.warmup, help="linear warmup length (optimizer steps)"
-    )
-    g.add_argument("--beta1", metavar="B1", type=float, default=d.beta1, help="AdamW beta1")
-    g.add_argument("--beta2", metavar="B2", type=float, default=d.beta2, help="AdamW beta2")
-    g.add_argument("--eps", metavar="EPS", type=float, default=d.eps, help="AdamW epsilon")
-    g.add_argument(
-        "--grad-clip-norm",
-        metavar="NORM",
-        type=_optional_float,
-        default=None,
-        help="clip gradient L2 norm; none: off",
-    )
-
-    g = p.add_argument_group("numerics and loss")
-    g.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default=None,
-        help="default: the preset's (bf16/fp16 section enabled), else fp32",
-    )
-    g.add_argument(
-        "--local-loss", action="store_true", help="loss rows of local pairs only (needs --gather-with-grad)"
-    )
-    g.add_argument(
-        "--gather-with-grad", action="store_true", help="feature all-gather with a reducing backward"
-    )
-    g.add_argument("--siglip", action="store_true", help="sigmoid (SigLIP) loss instead of softmax CLIP loss")
-    g.add_argument(
-        "--loss-impl", choices=LOSS_IMPLS, default=d.loss_impl, help="logit matrix whole or in tiles"
-    )
-    g.add_argument("--seed", metavar="N", type=int, default=d.seed, help="random seed")
-
-    g = p.add_argument_group("logging, checkpoints, evaluation")
-    # "--log-dir" because torchrun (torch >= 2.x) takes "--logs" for a prefix of its own "--logs-specs".
-    g.add_argument(
-        "--logs",
-        "--log-dir",
-        dest="logs",
-        metavar="DIR",
-        default=d.logs,
-        help="folder holding one sub-folder per run",
-    )
-    g.add_argument(
-        "--name", metavar="NAME", default=None, help="run folder name; default: date-time, model, m, k"
-    )
-    g.add_argument(
-        "--log-every-n-steps",
-        metavar="STEPS",
-        type=int,
-        default=d.log_every_n_steps,
-        help="log cadence (optimizer steps)",
-    )
-    g.add_argument(
-        "--save-every-n-steps",
-        metavar="STEPS",
-        type=_optional_int,
-        default=None,
-        help="checkpoint cadence (steps)",
-    )
-    g.add_argument(
-        "--val-every-n-steps",
-        metavar="STEPS",
-        type=_optional_int,
-        default=None,
-        help="evaluation cadence (steps)",
-    )
-    g.add_argument(
-        "--max-skipped-steps",
-        metavar="N",
-        type=int,
-        default=d.max_skipped_steps,
-        help="stop after N consecutive non-finite steps, each skipped on every rank (steps)",
-    )
-    g.add_argument(
-        "--dist-timeout",
-        metavar="SECONDS",
-        type=float,
-        default=d.dist_timeout,
-        help="how long a collective waits for the other ranks before failing (seconds)",
-    )
-    g.add_argument(
-        "--keep-checkpoints",
-        metavar="N",
-        type=_optional_int,
-        default=None,
-        help="keep the newest N complete checkpoints; default: all",
-    )
-    g.add_argument(
-        "--zeroshot-classes",
-        metavar="FILE",
-        default=None,
-        help="class names + templates (JSON) or one class a line, for zero-shot eval",
-    )
-    g.add_argument(
-        "--resume", metavar="latest|DIR", default=None, help="'latest' (of --name) or a checkpoint folder"
-    )
-    g.add_argument("--report-to", metavar="LIST", default="", help="comma list of tensorboard, csv, wandb")
-
-    g = p.add_argument_group("DeepSpeed")
-    g.add_argument(
-        "--ds-config",
-        metavar="NAME|PATH",
-        default=None,
-        help="preset name in ds_configs/ or a JSON path; default zero1_<precision>",
-    )
-    g.add_argument(
-        "--zero-stage",
-        metavar="{0,1,2,3}",
-        type=_optional_int,
-        default=None,
-        help="ZeRO stage 0-3, overrides the preset's",
-    )
-    # The deepspeed launcher appends --local_rank=N to the script's arguments; accept both spellings.
-    g.add_argument(
-        "--local_rank", "--local-rank", dest="local_rank", type=int, default=-1, help=argparse.SUPPRESS
-    )
+    for section, cls in _SECTIONS.items():
+        group = p.add_argument_group(section, (cls.__doc__ or "").split(": ", 1)[-1])
+        add_flags(group, [f.name for f in flags() if f.section == section])
     return p
 
 
@@ -381,74 +516,193 @@ def parse_settings(argv: list[str] | None = None) -> TrainSettings:
 
     Raises SettingsError for bad values; argparse itself exits 2 on malformed flags.
     """
-    ns = build_parser().parse_args(argv)
-    values: dict[str, Any] = vars(ns)
-    values["report_to"] = [r.strip() for r in values["report_to"].split(",") if r.strip()]
+    values: dict[str, Any] = vars(build_parser().parse_args(argv))
     if values["dataset_type"] is None:
         values["dataset_type"] = "webdataset" if values["train_data"] else "synthetic"
     if values["precision"] is None:
         # CLI > preset > default: a preset named for its precision (zero2_bf16) sets --precision.
-        values["precision"] = _preset_precision(values["ds_config"]) if values["ds_config"] else "fp32"
-    s = TrainSettings(**values)
-    if s.name is None:
+        values["precision"] = preset_precision(values["ds_config"]) if values["ds_config"] else "fp32"
+    s = TrainSettings.of(**values)
+    if s.logging.name is None:
         # An automatic name is new every run, so "latest" would silently start from scratch.
-        if s.resume == "latest":
+        if s.checkpoint.resume == "latest":
             raise SettingsError("--resume latest needs --name of the run to continue")
-        s.name = default_run_name(s)
+        s.logging.name = default_run_name(s)
     validate(s)
     return s
-
-
-def _preset_precision(ds_config: str) -> str:
-    from ds_clip.ds_config import load_preset  # late import: ds_config imports this module
-
-    preset = load_preset(ds_config)
-    for key in ("bf16", "bfloat16", "fp16"):
-        section = preset.get(key)
-        if isinstance(section, dict) and section.get("enabled"):
-            return "fp16" if key == "fp16" else "bf16"
-    return "fp32"
 
 
 def default_run_name(s: TrainSettings, now: datetime | None = None) -> str:
     """ "YYYY_mm_dd-HH_MM_SS-model_<model>-m_<m>-k_<k>", with characters unsafe in a folder name replaced."""
     stamp = (now or datetime.now()).strftime("%Y_%m_%d-%H_%M_%S")
-    model = s.model
+    model = s.model.model
     if model.startswith(LOCAL_DIR_PREFIX):
         model = Path(model[len(LOCAL_DIR_PREFIX) :]).name or "local"
-    name = f"{stamp}-model_{model}-m_{s.batch_size}-k_{s.accum_freq}"
+    name = f"{stamp}-model_{model}-m_{s.optim.batch_size}-k_{s.optim.accum_freq}"
     return re.sub(r"[^A-Za-z0-9_.=+-]", "-", name)
+
+
+def settings_to_dict(s: TrainSettings) -> dict[str, Any]:
+    """JSON-able copy of the settings for settings.json in the run folder: every field by its flat name
+    (its flag's dest); `TrainSettings.of(**d)` reads it back."""
+    return {f.name: _jsonable(getattr(getattr(s, f.section), f.name)) for f in flags()}
+
+
+def _jsonable(value: Any) -> Any:
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise SettingsError(message)
+
+
+def _check_choice(name: str, value: Any) -> None:
+    f = flag_named(name)
+    choices = f.meta["choices"]
+    _need(value in choices, f"{f.option} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _check_min(name: str, value: Any, low: float, *, strict: bool = False, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    option = flag_named(name).option
+    if strict:
+        _need(value is not None and value > low, f"{option} must be > {low:g}, got {value}")
+    else:
+        _need(value is not None and value >= low, f"{option} must be >= {low:g}, got {value}")
 
 
 def _check_shards(flag: str, pattern: str) -> None:
     # The webdataset reader expands the same way (one expander): what passes here is what it reads.
-    from ds_clip.data.urls import ShardPatternError, expand_shards
-
     try:
         expand_shards(pattern, flag)
     except ShardPatternError as exc:
         raise SettingsError(str(exc)) from None
 
 
-def _check_model(s: TrainSettings) -> None:
-    if s.model in BUILTIN_MODELS:
+def check_data(d: DataSettings) -> None:
+    """The rules of the data section alone (also run by ds_clip.data.build_train_data on what it gets)."""
+    _check_choice("dataset_type", d.dataset_type)
+    _check_min("workers", d.workers, 0)
+    _check_min("train_num_samples", d.train_num_samples, 1, optional=True)
+    _check_min("synthetic_image_size", d.synthetic_image_size, 8, optional=True)
+    _check_min("shuffle_buffer", d.shuffle_buffer, 0)
+    for flag, value in (("--image-key", d.image_key), ("--caption-key", d.caption_key)):
+        _need(bool([k for k in value.split(";") if k.strip()]), f"{flag} must name at least one extension, got {value!r}")  # fmt: skip
+    if d.dataset_type == "webdataset":
+        _need(bool(d.train_data), "--dataset-type webdataset needs --train-data (a shard pattern)")
+        _need(
+            not d.dataset_resampled or d.train_num_samples is not None,
+            "--dataset-resampled needs --train-num-samples (it defines an epoch)",
+        )
+    elif d.train_data:
+        raise SettingsError("--train-data is given but --dataset-type is synthetic: drop one of them")
+
+
+def check_eval(ev: EvalSectionSettings, *, batch_size: int) -> None:
+    """The rules of the eval section and of the evaluation's batch size (also run by ds-clip-eval)."""
+    _check_min("batch_size", batch_size, 1)
+    _check_min("val_num_samples", ev.val_num_samples, 1, optional=True)
+    _check_min("val_every_n_steps", ev.val_every_n_steps, 1, optional=True)
+    if ev.val_data and ev.val_data != "synthetic":
+        _check_shards("--val-data", ev.val_data)
+    if ev.zeroshot_classes is not None:
+        _need(bool(ev.val_data), "--zeroshot-classes needs --val-data (the images to classify)")
+        _need(
+            Path(ev.zeroshot_classes).expanduser().is_file(),
+            f"--zeroshot-classes {ev.zeroshot_classes!r}: no such file",
+        )
+
+
+def validate(s: TrainSettings) -> None:
+    """Raise SettingsError naming the flag for the first bad value in `s`, the preset included. Fast: no
+    deepspeed import; shard patterns, files and (for an unknown name) open_clip's model list are looked at."""
+    o, ck, ev, lg, dist = s.optim, s.checkpoint, s.eval, s.logging, s.dist
+    # optim
+    for name in ("batch_size", "accum_freq", "epochs"):
+        _check_min(name, getattr(o, name), 1)
+    _check_min("max_steps", o.max_steps, 1, optional=True)
+    _check_min("lr", o.lr, 0, strict=True)
+    _check_min("wd", o.wd, 0)
+    _need(0 <= o.beta1 < 1, f"--beta1 must be in [0, 1), got {o.beta1}")
+    _need(0 <= o.beta2 < 1, f"--beta2 must be in [0, 1), got {o.beta2}")
+    _check_min("eps", o.eps, 0, strict=True)
+    _check_min("warmup", o.warmup, 0)
+    _need(
+        o.grad_clip_norm is None or o.grad_clip_norm > 0,
+        f"--grad-clip-norm must be > 0 (omit it for no clipping), got {o.grad_clip_norm}",
+    )
+    _check_min("max_skipped_steps", o.max_skipped_steps, 1)
+    # loss
+    _check_choice("loss_impl", s.loss.loss_impl)
+    _need(
+        not s.loss.local_loss or s.loss.gather_with_grad,
+        "--local-loss without --gather-with-grad does not give the full-batch gradient (each rank would "
+        "drop the other ranks' terms): add --gather-with-grad",
+    )
+    # dist
+    _check_choice("precision", dist.precision)
+    _need(
+        dist.zero_stage is None or dist.zero_stage in (0, 1, 2, 3),
+        f"--zero-stage must be 0, 1, 2 or 3, got {dist.zero_stage}",
+    )
+    _check_min("dist_timeout", dist.dist_timeout, 0, strict=True)
+    # logging, checkpoint, eval cadences
+    _check_min("log_every_n_steps", lg.log_every_n_steps, 1)
+    _check_min("save_every_n_steps", ck.save_every_n_steps, 1, optional=True)
+    _check_min("keep_checkpoints", ck.keep_checkpoints, 1, optional=True)
+    bad = [r for r in lg.report_to if r not in REPORTERS]
+    _need(not bad, f"--report-to: unknown {', '.join(bad)}; choose from {', '.join(REPORTERS)}")
+    _need(
+        "wandb" not in lg.report_to or importlib.util.find_spec("wandb") is not None,
+        "--report-to wandb needs the wandb package (pip install wandb)",
+    )
+    if lg.name is not None:
+        _need(
+            lg.name not in ("", ".", "..") and "/" not in lg.name,
+            f"--name {lg.name!r} must be a folder name, not a path",
+        )
+    # data
+    check_data(s.data)
+    if s.data.train_data:
+        _check_shards("--train-data", s.data.train_data)
+    check_eval(ev, batch_size=o.batch_size)
+    # model and weights
+    if s.model.pretrained:
+        _check_pretrained(s.model.pretrained)
+    _check_model(s.model)
+    # resume
+    if ck.resume == "latest":
+        _need(lg.name is not None, "--resume latest needs --name of the run to continue")
+    elif ck.resume is not None:
+        _need(Path(ck.resume).expanduser().exists(), f"--resume {ck.resume!r}: no such checkpoint folder")
+    # The DeepSpeed preset: exists, parses, and agrees with the flags (world size unknown yet).
+    check_preset(s)
+
+
+def _check_model(m: ModelSettings) -> None:
+    if m.model in BUILTIN_MODELS:
         return
-    if s.model.startswith(LOCAL_DIR_PREFIX):
-        folder = Path(s.model[len(LOCAL_DIR_PREFIX) :]).expanduser()
+    if m.model.startswith(LOCAL_DIR_PREFIX):
+        folder = Path(m.model[len(LOCAL_DIR_PREFIX) :]).expanduser()
         if not (folder / "open_clip_config.json").is_file():
-            raise SettingsError(f"--model {s.model}: {folder / 'open_clip_config.json'} not found")
-        if s.pretrained:
+            raise SettingsError(f"--model {m.model}: {folder / 'open_clip_config.json'} not found")
+        if m.pretrained:
             # open_clip ignores pretrained= for local-dir: and loads the folder's own weights.
             raise SettingsError(
-                f"--pretrained is ignored with --model {s.model}: put the weights in that folder "
+                f"--pretrained is ignored with --model {m.model}: put the weights in that folder "
                 "(open_clip_model.safetensors) instead"
             )
         return
     import open_clip  # only for names we do not know ourselves (a few seconds)
 
-    if s.model not in open_clip.list_models():
+    if m.model not in open_clip.list_models():
         raise SettingsError(
-            f"--model {s.model!r} is unknown: use {', '.join(BUILTIN_MODELS)}, an open_clip model name "
+            f"--model {m.model!r} is unknown: use {', '.join(BUILTIN_MODELS)}, an open_clip model name "
             "(open_clip.list_models()), or local-dir:PATH"
         )
 
@@ -472,108 +726,3 @@ def _check_pretrained(pretrained: str) -> None:
         f"--pretrained {pretrained!r}: no such file or folder (ds_clip loads local weights only; "
         "open_clip tags like 'openai' are not downloaded)"
     )
-
-
-def _need(ok: bool, message: str) -> None:
-    if not ok:
-        raise SettingsError(message)
-
-
-def validate(s: TrainSettings) -> None:
-    """Raise SettingsError naming the flag for the first bad value in `s`. Fast; no deepspeed import."""
-    _need(s.batch_size >= 1, f"--batch-size must be >= 1, got {s.batch_size}")
-    _need(s.accum_freq >= 1, f"--accum-freq must be >= 1, got {s.accum_freq}")
-    _need(s.epochs >= 1, f"--epochs must be >= 1, got {s.epochs}")
-    _need(s.max_steps is None or s.max_steps >= 1, f"--max-steps must be >= 1, got {s.max_steps}")
-    _need(s.lr > 0, f"--lr must be > 0, got {s.lr}")
-    _need(s.wd >= 0, f"--wd must be >= 0, got {s.wd}")
-    _need(0 <= s.beta1 < 1, f"--beta1 must be in [0, 1), got {s.beta1}")
-    _need(0 <= s.beta2 < 1, f"--beta2 must be in [0, 1), got {s.beta2}")
-    _need(s.eps > 0, f"--eps must be > 0, got {s.eps}")
-    _need(s.warmup >= 0, f"--warmup must be >= 0, got {s.warmup}")
-    _need(
-        s.grad_clip_norm is None or s.grad_clip_norm > 0,
-        f"--grad-clip-norm must be > 0 (omit it for no clipping), got {s.grad_clip_norm}",
-    )
-    _need(
-        s.precision in PRECISIONS, f"--precision must be one of {', '.join(PRECISIONS)}, got {s.precision!r}"
-    )
-    _need(
-        s.loss_impl in LOSS_IMPLS, f"--loss-impl must be one of {', '.join(LOSS_IMPLS)}, got {s.loss_impl!r}"
-    )
-    _need(
-        s.dataset_type in DATASET_TYPES,
-        f"--dataset-type must be one of {', '.join(DATASET_TYPES)}, got {s.dataset_type!r}",
-    )
-    _need(
-        s.zero_stage is None or s.zero_stage in (0, 1, 2, 3),
-        f"--zero-stage must be 0, 1, 2 or 3, got {s.zero_stage}",
-    )
-    _need(s.workers >= 0, f"--workers must be >= 0, got {s.workers}")
-    _need(s.log_every_n_steps >= 1, f"--log-every-n-steps must be >= 1, got {s.log_every_n_steps}")
-    for flag, value in (
-        ("--save-every-n-steps", s.save_every_n_steps),
-        ("--val-every-n-steps", s.val_every_n_steps),
-        ("--train-num-samples", s.train_num_samples),
-        ("--val-num-samples", s.val_num_samples),
-    ):
-        _need(value is None or value >= 1, f"{flag} must be >= 1, got {value}")
-    _need(
-        not s.local_loss or s.gather_with_grad,
-        "--local-loss without --gather-with-grad does not give the full-batch gradient (each rank would "
-        "drop the other ranks' terms): add --gather-with-grad",
-    )
-    bad = [r for r in s.report_to if r not in REPORTERS]
-    _need(not bad, f"--report-to: unknown {', '.join(bad)}; choose from {', '.join(REPORTERS)}")
-    _need(
-        "wandb" not in s.report_to or importlib.util.find_spec("wandb") is not None,
-        "--report-to wandb needs the wandb package (pip install wandb)",
-    )
-    if s.name is not None:
-        _need(
-            s.name not in ("", ".", "..") and "/" not in s.name,
-            f"--name {s.name!r} must be a folder name, not a path",
-        )
-
-    # Data.
-    if s.dataset_type == "webdataset":
-        _need(bool(s.train_data), "--dataset-type webdataset needs --train-data")
-    elif s.train_data:
-        raise SettingsError("--train-data is given but --dataset-type is synthetic: drop one of them")
-    if s.train_data:
-        _check_shards("--train-data", s.train_data)
-    if s.val_data and s.val_data != "synthetic":
-        _check_shards("--val-data", s.val_data)
-    _need(s.max_skipped_steps >= 1, f"--max-skipped-steps must be >= 1, got {s.max_skipped_steps}")
-    _need(s.dist_timeout > 0, f"--dist-timeout must be > 0 seconds, got {s.dist_timeout}")
-    _need(
-        s.keep_checkpoints is None or s.keep_checkpoints >= 1,
-        f"--keep-checkpoints must be >= 1, got {s.keep_checkpoints}",
-    )
-    if s.zeroshot_classes is not None:
-        _need(bool(s.val_data), "--zeroshot-classes needs --val-data (the images to classify)")
-        _need(
-            Path(s.zeroshot_classes).expanduser().is_file(),
-            f"--zeroshot-classes {s.zeroshot_classes!r}: no such file",
-        )
-
-    # Model and weights.
-    if s.pretrained:
-        _check_pretrained(s.pretrained)
-    _check_model(s)
-
-    # Resume.
-    if s.resume == "latest":
-        _need(s.name is not None, "--resume latest needs --name of the run to continue")
-    elif s.resume is not None:
-        _need(Path(s.resume).expanduser().exists(), f"--resume {s.resume!r}: no such checkpoint folder")
-
-    # The DeepSpeed preset: exists, parses, and agrees with the flags (world size unknown yet).
-    from ds_clip.ds_config import check_preset  # late import: ds_config imports this module
-
-    check_preset(s)
-
-
-def settings_to_dict(s: TrainSettings) -> dict[str, Any]:
-    """JSON-able copy of the settings, for settings.json in the run folder."""
-    return dataclasses.asdict(s)

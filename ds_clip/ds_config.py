@@ -1,4 +1,4 @@
-"""DeepSpeed JSON: a preset from ds_configs/ (engine settings only) + TrainSettings -> resolved config.
+"""DeepSpeed JSON: a preset (ds_clip.presets, engine settings only) + TrainSettings -> resolved config.
 
 The preset owns the engine: ZeRO stage and buckets, offload, communication. ds_clip owns everything
 that decides what a step computes: batch sizes, accumulation, optimizer, learning rate, precision,
@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import copy
 import json
-from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ds_clip.config import SettingsError, TrainSettings, settings_to_dict
+from ds_clip.presets import PRESET_DIR, SettingsError, list_presets, load_preset, preset_label
 
-# The presets live once in git, in the repo's top-level ds_configs/. ds_clip/ds_configs is a symlink to it, so
-# the editable checkout reads them in place, and setuptools copies the files it points to into the wheel as
-# package data (pyproject.toml): an installed ds_clip finds them inside the package, no checkout needed.
-PRESET_DIR = files("ds_clip") / "ds_configs"
+if TYPE_CHECKING:  # duck-typed: ds_clip.config imports this module to check the preset
+    from ds_clip.config import TrainSettings
 
 # Keys the cached accumulation step (ds_clip.step) needs in the engine config. A preset that sets one
 # of them to another value is refused. With managed accumulation off, engine.backward() only
@@ -38,38 +35,6 @@ _GRADIENT_MEANING_DEFAULTS: dict[str, Any] = {
 STEPS_PER_PRINT = 1_000_000_000
 
 _ACCUM_HINT = "ds_clip accumulates itself with exact cached features; use --accum-freq instead"
-
-
-def list_presets() -> list[str]:
-    """Names of the presets shipped in ds_configs/ (file names without .json), sorted."""
-    return sorted(p.name[: -len(".json")] for p in PRESET_DIR.iterdir() if p.name.endswith(".json"))
-
-
-def preset_label(name_or_path: str) -> str:
-    """How error messages name a preset: "ds_configs/zero2_bf16.json" or the path the user gave."""
-    return name_or_path if name_or_path.endswith(".json") else f"ds_configs/{name_or_path}.json"
-
-
-def load_preset(name_or_path: str) -> dict[str, Any]:
-    """A preset name (ds_configs/<name>.json) or a path ending .json -> its JSON object."""
-    if name_or_path.endswith(".json"):
-        path = Path(name_or_path).expanduser()
-        if not path.is_file():
-            raise SettingsError(f"--ds-config {name_or_path}: no such file")
-    else:
-        path = PRESET_DIR / f"{name_or_path}.json"
-        if not path.is_file():
-            raise SettingsError(
-                f"--ds-config {name_or_path!r} is neither a preset ({', '.join(list_presets())}) "
-                "nor a path ending .json"
-            )
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise SettingsError(f"--ds-config {path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise SettingsError(f"--ds-config {path}: the top level must be a JSON object")
-    return data
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -109,9 +74,11 @@ def _merge_step_keys(cfg: dict[str, Any], required: dict[str, Any], label: str, 
 
 
 def _resolve(s: TrainSettings, world_size: int | None) -> dict[str, Any]:
-    label = preset_label(s.ds_config or f"zero1_{s.precision}")
-    cfg = copy.deepcopy(load_preset(s.ds_config or f"zero1_{s.precision}"))
-    m = s.batch_size
+    o, dist = s.optim, s.dist
+    preset = dist.ds_config or f"zero1_{dist.precision}"
+    label = preset_label(preset)
+    cfg = copy.deepcopy(load_preset(preset))
+    m = o.batch_size
 
     # --- batch: m per rank per pass, one engine step per pass; ds_clip's step does the k passes. ---
     gas = cfg.pop("gradient_accumulation_steps", 1)
@@ -139,8 +106,8 @@ def _resolve(s: TrainSettings, world_size: int | None) -> dict[str, Any]:
     zero = cfg.setdefault("zero_optimization", {})
     if not isinstance(zero, dict):
         raise SettingsError(f"zero_optimization in {label} must be a JSON object")
-    if s.zero_stage is not None:
-        zero["stage"] = s.zero_stage
+    if dist.zero_stage is not None:
+        zero["stage"] = dist.zero_stage
     zero.setdefault("stage", 0)
     stage = zero["stage"]
     if stage not in (0, 1, 2, 3):
@@ -165,31 +132,31 @@ def _resolve(s: TrainSettings, world_size: int | None) -> dict[str, Any]:
         if "bf16" in cfg:
             raise SettingsError(f"{label} has both bf16 and bfloat16 sections: keep bf16")
         cfg["bf16"] = cfg.pop("bfloat16")
-    for key, wanted in (("bf16", s.precision == "bf16"), ("fp16", s.precision == "fp16")):
+    for key, wanted in (("bf16", dist.precision == "bf16"), ("fp16", dist.precision == "fp16")):
         section = cfg.setdefault(key, {})
         if not isinstance(section, dict):
             raise SettingsError(f"{key} in {label} must be a JSON object")
         if "enabled" in section and not _same(section["enabled"], wanted):
-            raise _conflict(f"{key}.enabled", section["enabled"], label, "--precision", s.precision)
+            raise _conflict(f"{key}.enabled", section["enabled"], label, "--precision", dist.precision)
         section["enabled"] = wanted
     if cfg["fp16"]["enabled"]:
         cfg["fp16"].setdefault("loss_scale", 0)  # 0: dynamic loss scaling
         if stage == 0:
             raise SettingsError(
                 f"--precision fp16 with ZeRO stage 0 ({label}"
-                + (", --zero-stage 0" if s.zero_stage == 0 else "")
+                + (", --zero-stage 0" if dist.zero_stage == 0 else "")
                 + "): DeepSpeed 0.19.x gives updates ~loss-scale times too small there (upstream PR #8393 "
                 "open); use --precision bf16 or --zero-stage 1, 2 or 3"
             )
     autocast = cfg.get("torch_autocast")
     if isinstance(autocast, dict) and autocast.get("enabled"):
-        raise _conflict("torch_autocast.enabled", True, label, "--precision", s.precision)
+        raise _conflict("torch_autocast.enabled", True, label, "--precision", dist.precision)
 
     # --- clipping ---
-    clip = 0.0 if s.grad_clip_norm is None else float(s.grad_clip_norm)
+    clip = 0.0 if o.grad_clip_norm is None else float(o.grad_clip_norm)
     if "gradient_clipping" in cfg and not _same(cfg["gradient_clipping"], clip):
         raise _conflict(
-            "gradient_clipping", cfg["gradient_clipping"], label, "--grad-clip-norm", s.grad_clip_norm
+            "gradient_clipping", cfg["gradient_clipping"], label, "--grad-clip-norm", o.grad_clip_norm
         )
     cfg["gradient_clipping"] = clip
 
@@ -201,10 +168,10 @@ def _resolve(s: TrainSettings, world_size: int | None) -> dict[str, Any]:
         )
     cpu_optimizer = offload_opt in ("cpu", "nvme")
     params: dict[str, Any] = {
-        "lr": s.lr,
-        "betas": [s.beta1, s.beta2],
-        "eps": s.eps,
-        "weight_decay": s.wd,
+        "lr": o.lr,
+        "betas": [o.beta1, o.beta2],
+        "eps": o.eps,
+        "weight_decay": o.wd,
     }
     preset_opt = cfg.get("optimizer")
     if preset_opt is not None:
@@ -219,7 +186,7 @@ def _resolve(s: TrainSettings, world_size: int | None) -> dict[str, Any]:
         for key, value in (preset_opt.get("params") or {}).items():
             if key in flags:
                 if not _same(value, params[key]):
-                    shown = params[key] if key != "betas" else f"{s.beta1}/{s.beta2}"
+                    shown = params[key] if key != "betas" else f"{o.beta1}/{o.beta2}"
                     raise _conflict(f"optimizer.params.{key}", value, label, flags[key], shown)
             elif key == "adam_w_mode" and not value:
                 raise _conflict(
@@ -272,9 +239,22 @@ def resolve_ds_config(s: TrainSettings, world_size: int) -> dict[str, Any]:
     return _resolve(s, world_size)
 
 
-def write_run_files(run_dir: Path, settings: TrainSettings, ds_json: dict[str, Any]) -> None:
-    """Write settings.json and ds_config.json (indented) into the run folder. Rank 0 only."""
+def write_run_files(run_dir: Path, settings: dict[str, Any], ds_json: dict[str, Any]) -> None:
+    """Write settings.json (`config.settings_to_dict`) and ds_config.json (indented) into the run folder.
+    Rank 0 only."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "settings.json").write_text(json.dumps(settings_to_dict(settings), indent=2) + "\n")
+    (run_dir / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
     (run_dir / "ds_config.json").write_text(json.dumps(ds_json, indent=2) + "\n")
+
+
+__all__ = [
+    "PRESET_DIR",  # re-exported from ds_clip.presets, where the preset files are found
+    "STEP_ENGINE_KEYS",
+    "check_preset",
+    "list_presets",
+    "load_preset",
+    "preset_label",
+    "resolve_ds_config",
+    "write_run_files",
+]

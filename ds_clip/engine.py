@@ -30,10 +30,10 @@ def build_model_bundle(s: TrainSettings) -> ModelBundle:
     from ds_clip.export import resolve_pretrained
 
     bundle = build_model(
-        s.model,
-        pretrained=resolve_pretrained(s.pretrained),  # an exported folder or a weights file
-        seed=s.seed,
-        grad_checkpointing=s.grad_checkpointing,
+        s.model.model,
+        pretrained=resolve_pretrained(s.model.pretrained),  # an exported folder or a weights file
+        seed=s.data.seed,
+        grad_checkpointing=s.model.grad_checkpointing,
     )
     prepare_for_deepspeed(bundle.model)
     return bundle
@@ -47,18 +47,19 @@ def build_engine(
     import deepspeed
 
     ds_json = resolve_ds_config(s, world_size)
+    o, loss = s.optim, s.loss
     engine, *_ = deepspeed.initialize(
         model=bundle.model,
-        model_parameters=param_groups(bundle.model, s.wd),
+        model_parameters=param_groups(bundle.model, o.wd),
         config=ds_json,
-        lr_scheduler=lambda opt: build_scheduler(opt, warmup=s.warmup, total=total_steps),
+        lr_scheduler=lambda opt: build_scheduler(opt, warmup=o.warmup, total=total_steps),
     )
     loss_fn = ContrastiveLoss(
         LossSpec(
-            siglip=s.siglip,
-            local_loss=s.local_loss,
-            gather_with_grad=s.gather_with_grad,
-            impl=resolve_impl(s.loss_impl, world_size * s.accum_freq * s.batch_size),
+            siglip=loss.siglip,
+            local_loss=loss.local_loss,
+            gather_with_grad=loss.gather_with_grad,
+            impl=resolve_impl(loss.loss_impl, world_size * o.accum_freq * o.batch_size),
         ),
         rank=rank,
         world_size=world_size,

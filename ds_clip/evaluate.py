@@ -40,6 +40,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ds_clip.config import (
+    DataSettings,
+    EvalSectionSettings,
+    SettingsError,
+    TrainSettings,
+    add_flags,
+    check_data,
+    check_eval,
+)
 from ds_clip.distributed import all_gather_rows, all_reduce_max
 from ds_clip.errors import UserError
 
@@ -58,21 +67,48 @@ class EvalError(UserError):
     """Bad evaluation input (a flag, file or pattern); the message names it."""
 
 
+# ds-clip-eval's own default: it runs no backward, so a larger batch fits.
+EVAL_BATCH_SIZE = 64
+
+
 @dataclass
 class EvalSettings:
+    """What one evaluation reads. Not a second definition of flags: the trainer builds it from its
+    settings (`from_settings`: the `eval` section plus the data and batch values it shares) and ds-clip-eval
+    from the same fields' flags (`build_parser`); the defaults below are those fields' defaults."""
+
     val_data: str
-    """--val-data: "synthetic" or webdataset shards (brace patterns, "::" between sources)."""
-    val_num_samples: int | None = None
-    """--val-num-samples: cap on the pairs evaluated; synthetic default 512."""
-    batch_size: int = 64
-    """Pairs per forward pass per rank."""
-    zeroshot_classes: str | None = None
-    """--zeroshot-classes: JSON {"classnames": [...], "templates": [...]} or a text file, one class a line."""
-    seed: int = 0
+    """--val-data."""
+    val_num_samples: int | None = EvalSectionSettings.val_num_samples
+    """--val-num-samples."""
+    batch_size: int = EVAL_BATCH_SIZE
+    """--batch-size: pairs per forward pass per rank."""
+    zeroshot_classes: str | None = EvalSectionSettings.zeroshot_classes
+    """--zeroshot-classes."""
+    seed: int = DataSettings.seed
+    """--seed: of the synthetic validation pairs."""
     image_size: int = 64
-    """Side at which synthetic images are rendered (the model's preprocess resizes)."""
-    image_key: str = "jpg;jpeg;png;webp"
-    caption_key: str = "txt"
+    """Side at which synthetic images are rendered: the model's image size (its preprocess resizes)."""
+    image_key: str = DataSettings.image_key
+    """--image-key."""
+    caption_key: str = DataSettings.caption_key
+    """--caption-key."""
+
+    @classmethod
+    def from_settings(cls, s: TrainSettings, image_size: int) -> EvalSettings | None:
+        """The evaluation of a training run (None without --val-data); evaluates m pairs per pass."""
+        if not s.eval.val_data:
+            return None
+        return cls(
+            val_data=s.eval.val_data,
+            val_num_samples=s.eval.val_num_samples,
+            batch_size=s.optim.batch_size,
+            zeroshot_classes=s.eval.zeroshot_classes,
+            seed=s.data.seed,
+            image_size=image_size,
+            image_key=s.data.image_key,
+            caption_key=s.data.caption_key,
+        )
 
 
 # ------------------------------------------------------------------------------------------- zero-shot
@@ -157,7 +193,7 @@ def _wds_samples(s: EvalSettings, rank: int, world: int, preprocess, tokenizer, 
     caption_exts = tuple(k.strip().lower() for k in s.caption_key.split(";") if k.strip())
     counter = SkipCounter()
     index = 0
-    for url in expand_urls(s.val_data):
+    for url in expand_urls(s.val_data, "--val-data"):
         for raw in iter_shard(url, counter):
             if s.val_num_samples is not None and index >= s.val_num_samples:
                 return
@@ -486,23 +522,20 @@ def report(run_dir: Path, step: int, metrics: dict[str, float], tb_writer=None) 
 # ------------------------------------------------------------------------------------------- ds-clip-eval
 
 
+# The flags ds-clip-eval shares with ds-clip-train, each defined once (ds_clip.config's fields).
+SHARED_FLAGS = ("pretrained", "val_data", "val_num_samples", "batch_size", "zeroshot_classes", "seed",
+                "image_key", "caption_key")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ds-clip-eval",
         description="Evaluate an exported (or any open_clip) model: val loss, retrieval recall, zero-shot accuracy.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
         "model", help="exported folder (ds-clip-export OUT), local-dir:PATH, or an open_clip model name"
     )
-    p.add_argument("--pretrained", metavar="FILE", default=None, help="weights for a model name")
-    p.add_argument("--val-data", metavar="PATTERN", required=True, help="'synthetic' or webdataset shards")
-    p.add_argument("--val-num-samples", metavar="N", type=int, default=None, help="pairs to evaluate")
-    p.add_argument("--batch-size", metavar="B", type=int, default=64, help="pairs per forward pass")
-    p.add_argument("--zeroshot-classes", metavar="FILE", default=None, help="class names and templates")
-    p.add_argument("--seed", metavar="N", type=int, default=0, help="seed of the synthetic dataset")
-    p.add_argument("--image-key", default="jpg;jpeg;png;webp", help="webdataset image keys")
-    p.add_argument("--caption-key", default="txt", help="webdataset caption key")
+    add_flags(p, SHARED_FLAGS, val_data={"required": True}, batch_size={"default": EVAL_BATCH_SIZE})
     p.add_argument("--out", metavar="JSON", default=None, help="also write the metrics to this file")
     return p
 
@@ -510,17 +543,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.batch_size < 1:
-            raise EvalError(f"--batch-size must be >= 1, got {args.batch_size}")
-        if args.val_num_samples is not None and args.val_num_samples < 1:
-            raise EvalError(f"--val-num-samples must be >= 1, got {args.val_num_samples}")
-        if args.val_data != SYNTHETIC:
-            from ds_clip.config import SettingsError, _check_shards
-
-            try:
-                _check_shards("--val-data", args.val_data)
-            except SettingsError as exc:
-                raise EvalError(str(exc)) from exc
+        try:
+            section = EvalSectionSettings(
+                val_data=args.val_data,
+                val_num_samples=args.val_num_samples,
+                zeroshot_classes=args.zeroshot_classes,
+            )
+            check_eval(section, batch_size=args.batch_size)
+            check_data(DataSettings(seed=args.seed, image_key=args.image_key, caption_key=args.caption_key))
+        except SettingsError as exc:
+            raise EvalError(str(exc)) from exc
         if args.zeroshot_classes:
             load_zeroshot(args.zeroshot_classes)
         name = args.model

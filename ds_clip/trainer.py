@@ -8,6 +8,7 @@ Shape of a run: settings -> resolved DeepSpeed JSON -> model, data, engine -> re
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -18,8 +19,8 @@ import torch
 from ds_clip import checkpoint, distributed, evaluate, faults
 from ds_clip.checkpoint import Checkpointer
 from ds_clip.clamp import clamp_logit_scale
-from ds_clip.config import SettingsError, TrainSettings, settings_to_dict
-from ds_clip.data import DataSettings, StepBatch, build_train_data
+from ds_clip.config import DEFAULT_SYNTHETIC_SAMPLES, SettingsError, TrainSettings, settings_to_dict
+from ds_clip.data import StepBatch, build_train_data
 from ds_clip.distributed import DistInfo, init_distributed
 from ds_clip.ds_config import resolve_ds_config, write_run_files
 from ds_clip.engine import build_engine, build_model_bundle
@@ -30,8 +31,6 @@ from ds_clip.preemption import StopRequest
 from ds_clip.step import StepResult, cached_step, micro_batch_seed
 
 logger = logging.getLogger("ds_clip")
-# A synthetic run without --train-num-samples trains this many pairs per epoch.
-DEFAULT_SYNTHETIC_SAMPLES = 25_600
 
 
 class NonFiniteError(RunError):
@@ -95,14 +94,15 @@ class Trainer:
 
     def __init__(self, s: TrainSettings) -> None:
         # Before any process group: an unusable output folder is a one-line error, not a crash at save time.
-        checkpoint.check_writable(Path(s.logs))
+        o, ck = s.optim, s.checkpoint
+        checkpoint.check_writable(Path(s.logging.logs))
         self.s = s
-        self.info = info = init_distributed(timeout_s=s.dist_timeout)
-        s.name = _broadcast_name(s.name, info)
-        self.run_dir = run_dir = Path(s.logs) / s.name
+        self.info = info = init_distributed(timeout_s=s.dist.dist_timeout)
+        s.logging.name = _broadcast_name(s.logging.name, info)
+        self.run_dir = run_dir = Path(s.logging.logs) / s.logging.name
         if info.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            write_run_files(run_dir, s, resolve_ds_config(s, info.world_size))
+            write_run_files(run_dir, settings_to_dict(s), resolve_ds_config(s, info.world_size))
         # open_clip logs its model-building steps at INFO on the root logger: keep those quiet.
         logging.basicConfig(
             level=logging.WARNING, format=f"[rank{info.rank}] %(levelname)s %(name)s: %(message)s"
@@ -113,32 +113,29 @@ class Trainer:
         shapes = checkpoint.param_shapes(
             bundle.model
         )  # checked against a checkpoint before DeepSpeed loads it
-        checkpoint.check_output_space(run_dir, sum(p.numel() for p in bundle.model.parameters()), s.precision)
+        checkpoint.check_output_space(
+            run_dir, sum(p.numel() for p in bundle.model.parameters()), s.dist.precision
+        )
         w = info.world_size
-        self.global_batch = w * s.accum_freq * s.batch_size
+        self.global_batch = w * o.accum_freq * o.batch_size
         image_size = bundle.model_cfg["vision_cfg"].get("image_size", 224)
         image_px = image_size if isinstance(image_size, int) else image_size[0]  # open_clip allows (h, w)
+        synthetic = s.data.dataset_type == "synthetic"
         self.data = build_train_data(
-            DataSettings(
-                dataset_type=s.dataset_type,
-                train_data=s.train_data,
-                train_num_samples=s.train_num_samples
-                or (DEFAULT_SYNTHETIC_SAMPLES if s.dataset_type == "synthetic" else None),
-                dataset_resampled=s.dataset_resampled,
-                image_key=s.image_key,
-                caption_key=s.caption_key,
-                workers=s.workers,
-                seed=s.seed,
-                synthetic_image_size=image_px,
+            dataclasses.replace(  # the data section, with the defaults only the model and the type decide
+                s.data,
+                train_num_samples=s.data.train_num_samples
+                or (DEFAULT_SYNTHETIC_SAMPLES if synthetic else None),
+                synthetic_image_size=s.data.synthetic_image_size or image_px,
             ),
             preprocess=bundle.preprocess_train,
             tokenizer=bundle.tokenizer,
             rank=info.rank,
             world_size=w,
-            batch_size=s.batch_size,
-            accum_freq=s.accum_freq,
+            batch_size=o.batch_size,
+            accum_freq=o.accum_freq,
         )
-        self.total_steps = s.max_steps or s.epochs * self.data.steps_per_epoch
+        self.total_steps = o.max_steps or o.epochs * self.data.steps_per_epoch
         built = build_engine(s, bundle, rank=info.rank, world_size=w, total_steps=self.total_steps)
         self.engine, self.loss_fn = built.engine, built.loss_fn
 
@@ -150,15 +147,15 @@ class Trainer:
             self.data,
             settings=settings_to_dict(s),
             meta={
-                "accum_freq": s.accum_freq,
-                "micro_batch_size": s.batch_size,
-                "precision": s.precision,
-                "model": s.model,
+                "accum_freq": o.accum_freq,
+                "micro_batch_size": o.batch_size,
+                "precision": s.dist.precision,
+                "model": s.model.model,
                 "model_cfg": bundle.model_cfg,
                 "preprocess_cfg": open_clip.get_model_preprocess_cfg(bundle.model),
             },
-            every_n_steps=s.save_every_n_steps,
-            keep=s.keep_checkpoints,
+            every_n_steps=ck.save_every_n_steps,
+            keep=ck.keep_checkpoints,
             global_batch=self.global_batch,
         )
         self.evaluator = Evaluator(
@@ -167,51 +164,39 @@ class Trainer:
             preprocess=bundle.preprocess_val,
             tokenizer=bundle.tokenizer,
             run_dir=run_dir,
-            every_n_steps=s.val_every_n_steps,
+            every_n_steps=s.eval.val_every_n_steps,
             is_main=info.is_main,
         )
         self.start_step = (
-            self.checkpointer.resume(s.resume, shapes=shapes, is_main=info.is_main) if s.resume else 0
+            self.checkpointer.resume(ck.resume, shapes=shapes, is_main=info.is_main) if ck.resume else 0
         )
         self.meter = StepMeter(
-            every_n_steps=s.log_every_n_steps, total_steps=self.total_steps, global_batch=self.global_batch,
-            world_size=w,
+            every_n_steps=s.logging.log_every_n_steps, total_steps=self.total_steps,
+            global_batch=self.global_batch, world_size=w,
         )  # fmt: skip
-        self.skips = SkipPolicy(max_in_a_row=s.max_skipped_steps, run_dir=run_dir, is_main=info.is_main)
+        self.skips = SkipPolicy(max_in_a_row=o.max_skipped_steps, run_dir=run_dir, is_main=info.is_main)
         if info.is_main and info.hosts is not None:
             logger.info("%s", info.hosts.describe())
         if info.is_main:
             logger.info(
                 "world size %d, micro-batch m=%d, accum-freq k=%d: global batch N=W*k*m=%d pairs per optimizer "
                 "step; %d steps per epoch, %d steps in total; run folder %s",
-                w, s.batch_size, s.accum_freq, self.global_batch, self.data.steps_per_epoch, self.total_steps,
+                w, o.batch_size, o.accum_freq, self.global_batch, self.data.steps_per_epoch, self.total_steps,
                 run_dir,
             )  # fmt: skip
 
     def _eval_settings(self, image_px: int) -> evaluate.EvalSettings | None:
-        s = self.s
-        if s.zeroshot_classes:
-            try:
-                evaluate.load_zeroshot(s.zeroshot_classes)  # a bad file fails now, not after the first steps
+        if self.s.eval.zeroshot_classes:
+            try:  # a bad file fails now, not after the first steps
+                evaluate.load_zeroshot(self.s.eval.zeroshot_classes)
             except evaluate.EvalError as exc:
                 raise SettingsError(str(exc)) from exc
-        if not s.val_data:
-            return None
-        return evaluate.EvalSettings(
-            val_data=s.val_data,
-            val_num_samples=s.val_num_samples,
-            batch_size=s.batch_size,
-            zeroshot_classes=s.zeroshot_classes,
-            seed=s.seed,
-            image_size=image_px,
-            image_key=s.image_key,
-            caption_key=s.caption_key,
-        )
+        return evaluate.EvalSettings.from_settings(self.s, image_px)
 
     def _step(self, batch: StepBatch, step: int, attempt: int) -> StepResult:
         """One optimizer step; then the clamp open_clip applies after every applied update."""
         rank = self.info.rank
-        seeds = [micro_batch_seed(self.s.seed, step, g) for g in batch.micro_batch_ids]
+        seeds = [micro_batch_seed(self.s.data.seed, step, g) for g in batch.micro_batch_ids]
         micro_batches = batch.micro_batches
         faults.maybe_kill("kill", attempt, rank)
         if faults.active("nan", attempt, rank):
@@ -239,7 +224,7 @@ class Trainer:
         s, info, total = self.s, self.info, self.total_steps
         step, attempt = self.start_step, 0  # attempt: batches taken by this process (fault injection)
         writer = (
-            MetricsWriter(self.run_dir, s.report_to, total, step, settings_to_dict(s))
+            MetricsWriter(self.run_dir, s.logging.report_to, total, step, settings_to_dict(s))
             if info.is_main
             else None
         )
@@ -274,7 +259,7 @@ class Trainer:
                             logger.info(
                                 "received %s: saved checkpoint %s at step %d; resume with the same command "
                                 "plus --resume latest --name %s",
-                                stop.signal_name, checkpoint.tag_for(step), step, s.name,
+                                stop.signal_name, checkpoint.tag_for(step), step, s.logging.name,
                             )  # fmt: skip
                         return self._summary(step)
                     t_data = time.perf_counter()

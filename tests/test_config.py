@@ -6,8 +6,10 @@ every shipped preset resolves into a config DeepSpeed 0.19.8 parses without unkn
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from ds_clip.config import (
     SettingsError,
     TrainSettings,
     build_parser,
+    flags,
     parse_settings,
     settings_to_dict,
     validate,
@@ -49,15 +52,21 @@ def _write_json(tmp_path: Path, data: dict, name: str = "custom.json") -> str:
 
 def test_defaults_parse_and_resolve_to_zero1_fp32():
     s = parse_settings([])
-    assert (s.batch_size, s.accum_freq, s.epochs, s.precision, s.dataset_type) == (
+    assert (
+        s.optim.batch_size,
+        s.optim.accum_freq,
+        s.optim.epochs,
+        s.dist.precision,
+        s.data.dataset_type,
+    ) == (
         8,
         1,
         1,
         "fp32",
         "synthetic",
     )
-    assert s.loss_impl == "auto" and s.report_to == [] and s.local_rank == -1
-    assert s.name.endswith("-model_ds-clip-tiny-m_8-k_1") and s.name[:4].isdigit()
+    assert s.loss.loss_impl == "auto" and s.logging.report_to == [] and s.dist.local_rank == -1
+    assert s.logging.name.endswith("-model_ds-clip-tiny-m_8-k_1") and s.logging.name[:4].isdigit()
     cfg = resolve_ds_config(s, world_size=4)
     assert cfg["zero_optimization"]["stage"] == 1  # default preset zero1_<precision>
     assert cfg["train_micro_batch_size_per_gpu"] == 8
@@ -77,7 +86,7 @@ def test_defaults_parse_and_resolve_to_zero1_fp32():
 def test_cli_overrides_preset_and_preset_overrides_defaults():
     # Preset over default: zero2_bf16 sets the precision when --precision is not given.
     s = parse_settings(["--ds-config", "zero2_bf16"])
-    assert s.precision == "bf16"
+    assert s.dist.precision == "bf16"
     cfg = resolve_ds_config(s, world_size=2)
     assert cfg["zero_optimization"]["stage"] == 2 and cfg["bf16"]["enabled"] is True
     assert (
@@ -125,19 +134,19 @@ def test_dataset_type_follows_train_data(tmp_path):
         (tmp_path / f"shard-{i:03d}.tar").write_bytes(b"")
     pattern = str(tmp_path / "shard-{000..001}.tar")
     s = parse_settings(["--train-data", pattern + "::pipe:curl -s http://x/{0..3}.tar"])
-    assert s.dataset_type == "webdataset"
-    assert parse_settings([]).dataset_type == "synthetic"
+    assert s.data.dataset_type == "webdataset"
+    assert parse_settings([]).data.dataset_type == "synthetic"
 
 
 def test_report_to_is_a_list_and_settings_are_json_able():
     s = parse_settings(["--report-to", "tensorboard, csv", "--name", "run1"])
-    assert s.report_to == ["tensorboard", "csv"] and s.name == "run1"
+    assert s.logging.report_to == ["tensorboard", "csv"] and s.logging.name == "run1"
     assert json.loads(json.dumps(settings_to_dict(s)))["report_to"] == ["tensorboard", "csv"]
 
 
 @pytest.mark.parametrize("argv", [["--local_rank=3"], ["--local_rank", "3"], ["--local-rank=3"]])
 def test_local_rank_appended_by_the_launcher_is_accepted(argv):
-    assert parse_settings(["--batch-size", "4", *argv]).local_rank == 3
+    assert parse_settings(["--batch-size", "4", *argv]).dist.local_rank == 3
 
 
 def test_help_names_every_flag():
@@ -211,10 +220,14 @@ def test_checkpoint_and_eval_flags(tmp_path):
     s = parse_settings(
         ["--keep-checkpoints", "3", "--val-data", "synthetic", "--zeroshot-classes", str(classes)]
     )
-    assert (s.keep_checkpoints, s.val_data, s.zeroshot_classes) == (3, "synthetic", str(classes))
+    assert (s.checkpoint.keep_checkpoints, s.eval.val_data, s.eval.zeroshot_classes) == (
+        3,
+        "synthetic",
+        str(classes),
+    )
     d = parse_settings([])
-    assert d.keep_checkpoints is None and d.zeroshot_classes is None
-    assert parse_settings(["--keep-checkpoints", "none"]).keep_checkpoints is None
+    assert d.checkpoint.keep_checkpoints is None and d.eval.zeroshot_classes is None
+    assert parse_settings(["--keep-checkpoints", "none"]).checkpoint.keep_checkpoints is None
     assert settings_to_dict(s)["keep_checkpoints"] == 3
     # --pretrained may name an exported folder, which must hold weights.
     folder = tmp_path / "export"
@@ -258,9 +271,9 @@ def test_model_names(tmp_path):
 
 def test_validate_checks_directly_built_settings():
     with pytest.raises(SettingsError, match="--precision"):
-        validate(TrainSettings(precision="fp8"))
+        validate(TrainSettings.of(precision="fp8"))
     with pytest.raises(SettingsError, match="--loss-impl"):
-        validate(TrainSettings(loss_impl="sparse"))
+        validate(TrainSettings.of(loss_impl="sparse"))
     validate(TrainSettings())  # name None is fine: the trainer names the run
 
 
@@ -284,7 +297,7 @@ def test_every_preset_resolves_and_deepspeed_parses_it_without_deprecated_keys()
             assert set(preset) <= {"zero_optimization", "bf16", "fp16"}, name  # engine settings only
             precision = _preset_precision(preset)
             # world_size=1: DeepSpeedConfig checks train_batch_size against this process's world size.
-            cfg = resolve_ds_config(TrainSettings(ds_config=name, precision=precision), world_size=1)
+            cfg = resolve_ds_config(TrainSettings.of(ds_config=name, precision=precision), world_size=1)
             parsed = DeepSpeedConfig(json.loads(json.dumps(cfg)))
             assert parsed.zero_optimization_stage == preset["zero_optimization"]["stage"], name
             assert parsed.bfloat16_config.enabled is (precision == "bf16"), name
@@ -296,7 +309,7 @@ def test_every_preset_resolves_and_deepspeed_parses_it_without_deprecated_keys()
             # A preset resolves only with the precision it is named for.
             for other in {"fp32", "bf16", "fp16"} - {precision}:
                 with pytest.raises(SettingsError, match="--precision"):
-                    resolve_ds_config(TrainSettings(ds_config=name, precision=other), world_size=2)
+                    resolve_ds_config(TrainSettings.of(ds_config=name, precision=other), world_size=2)
     finally:
         ds_logger.removeHandler(handler)
     assert not [r.getMessage() for r in records if "deprecat" in r.getMessage().lower()]
@@ -304,10 +317,10 @@ def test_every_preset_resolves_and_deepspeed_parses_it_without_deprecated_keys()
 
 def test_offload_drops_torch_adam_so_deepspeed_uses_cpu_adam():
     for name in ("zero2_offload_bf16", "zero3_offload_bf16"):
-        cfg = resolve_ds_config(TrainSettings(ds_config=name, precision="bf16"), world_size=1)
+        cfg = resolve_ds_config(TrainSettings.of(ds_config=name, precision="bf16"), world_size=1)
         assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
         assert "torch_adam" not in cfg["optimizer"]["params"]
-    cfg = resolve_ds_config(TrainSettings(ds_config="zero3_offload_bf16", precision="bf16"), 1)
+    cfg = resolve_ds_config(TrainSettings.of(ds_config="zero3_offload_bf16", precision="bf16"), 1)
     assert cfg["zero_optimization"]["offload_param"]["device"] == "cpu"
 
 
@@ -321,7 +334,7 @@ def test_fp16_with_stage_0_is_refused(tmp_path):
 
 def test_fp16_gets_dynamic_loss_scale_when_preset_has_none(tmp_path):
     path = _write_json(tmp_path, {"zero_optimization": {"stage": 2}})
-    cfg = resolve_ds_config(TrainSettings(ds_config=path, precision="fp16"), 1)
+    cfg = resolve_ds_config(TrainSettings.of(ds_config=path, precision="fp16"), 1)
     assert cfg["fp16"] == {"enabled": True, "loss_scale": 0}
 
 
@@ -375,7 +388,7 @@ def test_unknown_preset_lists_the_presets_and_bad_json_names_the_file(tmp_path):
 def test_conflicting_preset_keys_name_key_and_flag(tmp_path, extra, needle):
     path = _write_json(tmp_path, {"zero_optimization": {"stage": 1}, **extra})
     with pytest.raises(SettingsError) as e:
-        resolve_ds_config(TrainSettings(ds_config=path), world_size=2)
+        resolve_ds_config(TrainSettings.of(ds_config=path), world_size=2)
     assert needle.format(label=path) in str(e.value)
     if "train_batch_size" not in extra:  # needs the world size, known only at engine start
         with pytest.raises(SettingsError):  # the same check runs at parse time, before any process starts
@@ -411,14 +424,14 @@ def test_step_engine_keys_are_merged_and_guarded(tmp_path, monkeypatch):
     assert cfg["managed_gradient_accumulation"] is False
     path = _write_json(tmp_path, {"zero_optimization": {"stage": 1}, "managed_gradient_accumulation": True})
     with pytest.raises(SettingsError, match="managed_gradient_accumulation=true"):
-        resolve_ds_config(TrainSettings(ds_config=path), world_size=1)
+        resolve_ds_config(TrainSettings.of(ds_config=path), world_size=1)
     # Nested keys merge into the preset's sections instead of replacing them.
     monkeypatch.setattr(dsc, "STEP_ENGINE_KEYS", {"zero_optimization": {"overlap_comm": False}})
-    cfg = resolve_ds_config(TrainSettings(ds_config="zero2_fp32"), world_size=1)
+    cfg = resolve_ds_config(TrainSettings.of(ds_config="zero2_fp32"), world_size=1)
     assert cfg["zero_optimization"]["stage"] == 2 and cfg["zero_optimization"]["overlap_comm"] is False
     path = _write_json(tmp_path, {"zero_optimization": {"stage": 1, "overlap_comm": True}})
     with pytest.raises(SettingsError, match="zero_optimization.overlap_comm=true"):
-        resolve_ds_config(TrainSettings(ds_config=path), world_size=1)
+        resolve_ds_config(TrainSettings.of(ds_config=path), world_size=1)
 
 
 def test_offload_needs_a_zero_stage_that_supports_it():
@@ -426,7 +439,7 @@ def test_offload_needs_a_zero_stage_that_supports_it():
         parse_settings(["--ds-config", "zero2_offload_fp32", "--zero-stage", "0"])
     with pytest.raises(SettingsError, match="offload_param"):
         parse_settings(["--ds-config", "zero3_offload_fp32", "--zero-stage", "2"])
-    assert parse_settings(["--ds-config", "zero2_offload_fp32", "--zero-stage", "1"]).zero_stage == 1
+    assert parse_settings(["--ds-config", "zero2_offload_fp32", "--zero-stage", "1"]).dist.zero_stage == 1
 
 
 # ---------------------------------------------------------------- run files
@@ -435,9 +448,11 @@ def test_offload_needs_a_zero_stage_that_supports_it():
 def test_write_run_files_writes_settings_and_ds_config(tmp_path):
     s = parse_settings(["--name", "r", "--ds-config", "zero2_bf16", "--accum-freq", "4"])
     cfg = resolve_ds_config(s, world_size=2)
-    run_dir = tmp_path / "logs" / s.name
-    write_run_files(run_dir, s, cfg)
-    assert json.loads((run_dir / "settings.json").read_text())["accum_freq"] == 4
+    run_dir = tmp_path / "logs" / s.logging.name
+    write_run_files(run_dir, settings_to_dict(s), cfg)
+    saved = json.loads((run_dir / "settings.json").read_text())
+    assert saved["accum_freq"] == 4 and saved["ds_config"] == "zero2_bf16"
+    assert TrainSettings.of(**saved) == s  # a faithful dump: the settings read back are the settings
     assert json.loads((run_dir / "ds_config.json").read_text()) == cfg
     assert (run_dir / "ds_config.json").read_text().startswith("{\n  ")  # indented
 
@@ -447,11 +462,85 @@ def test_write_run_files_writes_settings_and_ds_config(tmp_path):
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_docs_table_lists_every_flag_and_preset():
-    text = (REPO / "docs" / "configuration.md").read_text()
-    flags = [a.option_strings[0] for a in build_parser()._actions if a.option_strings and a.dest != "help"]
-    assert [f for f in flags if f"`{f}`" not in text and f"`{f} /" not in text] == []
-    assert [p for p in list_presets() if f"`{p}`" not in text] == []
+def _doc_generator():
+    spec = importlib.util.spec_from_file_location(
+        "gen_configuration_doc", REPO / "scripts" / "gen_configuration_doc.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_configuration_doc_is_generated_from_the_settings():
+    """docs/configuration.md is what scripts/gen_configuration_doc.py writes from the fields: a field added,
+    renamed or re-documented without regenerating the doc fails here."""
+    gen = _doc_generator()
+    committed = (REPO / "docs" / "configuration.md").read_text()
+    assert committed == gen.render(), f"docs/configuration.md is stale: run {gen.COMMAND}"
+    for f in flags():  # every flag has a row, every shipped preset is named
+        assert f"| `{f.option}`" in committed, f.option
+    assert [p for p in list_presets() if f"`{p}`" not in committed] == []
+
+
+def test_every_field_is_one_flag_with_a_docstring_and_help():
+    """One definition per flag: the parser's options are exactly the fields' flags, each with help text."""
+    parser = build_parser()
+    actions = {a.dest: a for a in parser._actions if a.dest != "help"}
+    assert sorted(actions) == sorted(f.name for f in flags())
+    for f in flags():
+        assert tuple(actions[f.name].option_strings) == f.options, f.name
+        assert f.doc and re.match(r"(same|differs: |ds_clip only)", f.meta["open_clip"]), f.name
+    text = parser.format_help()
+    for f in flags():
+        assert (f.option in text) != f.meta["hidden"], f.option
+    for flag in ("--synthetic-image-size", "--shuffle-buffer", "--log-dir", "(unit: steps; default: 10)"):
+        assert flag in text
+    # Every section field is reachable from the flat names used by the parser and settings.json.
+    assert settings_to_dict(TrainSettings()).keys() == {f.name for f in flags()}
+
+
+def test_eval_parser_reuses_the_training_fields():
+    """ds-clip-eval's shared flags come from the same fields (same option, help, type), defaults aside."""
+    from ds_clip import evaluate
+
+    train = {a.dest: a for a in build_parser()._actions}
+    evals = {a.dest: a for a in evaluate.build_parser()._actions}
+    for name in evaluate.SHARED_FLAGS:
+        assert evals[name].option_strings == train[name].option_strings, name
+        assert evals[name].type == train[name].type or evals[name].type.__name__ == train[name].type.__name__
+    assert evals["batch_size"].default == evaluate.EVAL_BATCH_SIZE and evals["val_data"].required
+    docs = {f.name: f.doc.replace("%", "%%") for f in flags()}
+    assert all(
+        evals[n].help.startswith(docs[n]) and train[n].help.startswith(docs[n]) for n in evaluate.SHARED_FLAGS
+    )
+
+
+def test_data_flags_reach_the_data_section():
+    """--synthetic-image-size and --shuffle-buffer (documented in docs/data.md) are real flags; the data
+    section is what ds_clip.data.build_train_data takes."""
+    s = parse_settings(["--synthetic-image-size", "32", "--shuffle-buffer", "7", "--seed", "3"])
+    assert (s.data.synthetic_image_size, s.data.shuffle_buffer, s.data.seed) == (32, 7, 3)
+    assert (
+        parse_settings([]).data.synthetic_image_size is None
+    )  # the model's image size, filled by the trainer
+    for argv, needle in (
+        (["--synthetic-image-size", "4"], "--synthetic-image-size must be >= 8, got 4"),
+        (["--shuffle-buffer", "-1"], "--shuffle-buffer must be >= 0, got -1"),
+        (["--image-key", ";"], "--image-key must name at least one extension"),
+    ):
+        with pytest.raises(SettingsError, match=re.escape(needle)):
+            parse_settings(argv)
+
+
+def test_entry_point_prints_one_line_naming_the_flag_and_exits_2(capsys):
+    from ds_clip.train import main
+
+    assert main(["--accum-freq", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err == "ds-clip-train: error: --accum-freq must be >= 1, got 0\n"
+    with pytest.raises(SystemExit) as e:
+        main(["--shuffle-buffer", "many"])
+    assert e.value.code == 2 and "--shuffle-buffer: invalid int value" in capsys.readouterr().err
 
 
 def test_hostfile_example_parses_with_deepspeed():

@@ -1,4 +1,4 @@
-"""The one shard expander (ds_clip.data.urls.expand_shards) and its two callers.
+"""The one shard expander (ds_clip.urls.expand_shards) and its two callers.
 
 Contract: braces, globs, "::" joining any mix of local paths, `file:` paths, `pipe:` commands and URLs;
 local sources must match files and brace lists must be complete; every error names the flag and the
@@ -14,8 +14,8 @@ import pytest
 
 from ds_clip.config import SettingsError, parse_settings
 from ds_clip.data.loader import DataError
-from ds_clip.data.urls import ShardPatternError, expand_shards
 from ds_clip.data.wds import expand_urls
+from ds_clip.urls import ShardPatternError, expand_shards
 
 
 def _touch(folder: Path, *names: str) -> list[str]:
@@ -116,8 +116,8 @@ def test_validation_and_reader_expand_alike(tmp_path):
     s = parse_settings(
         ["--dataset-type", "webdataset", "--train-data", glob_pattern, "--val-data", glob_pattern]
     )
-    assert s.train_data == glob_pattern
-    assert expand_urls(s.train_data) == files
+    assert s.data.train_data == glob_pattern
+    assert expand_urls(s.data.train_data) == files
 
     missing = str(tmp_path / "{0..2}.tar")
     with pytest.raises(SettingsError, match=r"^--train-data pattern .*: 1 of 3 shards are missing"):

@@ -17,173 +17,30 @@ the user's train transform as it is.
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from PIL import Image
 
 from ds_clip.data.augment import SeededTransform
+from ds_clip.data.base import (
+    DataError,
+    DataSettings,
+    StepBatch,
+    TrainData,
+    _Geometry,
+    check_data_settings,
+    loader_generator,
+)
 from ds_clip.data.synthetic import SyntheticCaptions
-from ds_clip.errors import UserError
+from ds_clip.data.wds import WebDatasetTrainData
 
 logger = logging.getLogger("ds_clip.data")
 
-DATASET_TYPES = ("synthetic", "webdataset")
-
-
-class DataError(UserError):
-    """Bad data settings or unusable data; the message names the flag, file or pattern."""
-
-
-@dataclass
-class StepBatch:
-    """The inputs of one optimizer step on this rank."""
-
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
-    """Exactly k items: (images [m, 3, H, W] float, texts [m, L] long)."""
-    micro_batch_ids: list[int]
-    """Global micro-batch index g = rank*k + j of each item, for per-micro-batch RNG derivation."""
-    step_in_epoch: int
-    """0-based index of this optimizer step within its epoch."""
-
-
-@dataclass
-class DataSettings:
-    """Settings of the training data (flag names in the docstrings)."""
-
-    dataset_type: str = "synthetic"
-    """--dataset-type: "synthetic" (built-in rendered shapes, no download) or "webdataset" (tar shards)."""
-    train_data: str | None = None
-    """--train-data: shard list, brace-expanded ("shards/{00000..00127}.tar"), sources joined by "::",
-    local paths, globs or "pipe:" commands. Required for webdataset."""
-    train_num_samples: int | None = None
-    """--train-num-samples: pairs per epoch. Required for synthetic and resampled webdataset; in
-    exact-epoch webdataset mode an optional cap on the counted size."""
-    dataset_resampled: bool = False
-    """--dataset-resampled: draw shards with replacement (seeded per epoch and rank); an epoch is then
-    train_num_samples pairs. Without it, every sample is seen exactly once per epoch."""
-    image_key: str = "jpg;jpeg;png;webp"
-    """--image-key: ";"-separated tar member extensions tried in order for the image."""
-    caption_key: str = "txt"
-    """--caption-key: ";"-separated tar member extensions tried in order for the caption."""
-    workers: int = 1
-    """--workers: DataLoader worker processes per rank (0: load in the training process)."""
-    seed: int = 0
-    """--seed: seeds the synthetic dataset, the shard order, the sample shuffle and each sample's augmentation."""
-    synthetic_image_size: int = 64
-    """--synthetic-image-size: side in pixels at which synthetic images are rendered (preprocess resizes)."""
-    shuffle_buffer: int = 1000
-    """--shuffle-buffer: webdataset samples (undecoded) each worker shuffles over; 0 or 1 disables."""
-
-    def validate(self) -> None:
-        """Raise DataError naming the flag of the first invalid value."""
-        if self.dataset_type not in DATASET_TYPES:
-            raise DataError(f"--dataset-type must be one of {DATASET_TYPES}, got {self.dataset_type!r}")
-        if self.workers < 0:
-            raise DataError(f"--workers must be >= 0, got {self.workers}")
-        if self.train_num_samples is not None and self.train_num_samples <= 0:
-            raise DataError(f"--train-num-samples must be > 0, got {self.train_num_samples}")
-        if self.synthetic_image_size < 8:
-            raise DataError(f"--synthetic-image-size must be >= 8, got {self.synthetic_image_size}")
-        if self.dataset_type == "synthetic" and self.train_num_samples is None:
-            raise DataError("--dataset-type synthetic needs --train-num-samples (pairs per epoch)")
-        if self.dataset_type == "webdataset":
-            if not self.train_data:
-                raise DataError("--dataset-type webdataset needs --train-data (a shard pattern)")
-            if self.dataset_resampled and self.train_num_samples is None:
-                raise DataError("--dataset-resampled needs --train-num-samples (it defines an epoch)")
-        for flag, value in (("--image-key", self.image_key), ("--caption-key", self.caption_key)):
-            if not [k for k in value.split(";") if k.strip()]:
-                raise DataError(f"{flag} must name at least one extension, got {value!r}")
-
-
-def loader_generator(*parts: object) -> torch.Generator:
-    """A generator for a DataLoader's worker base seed, seeded from `parts`.
-
-    Without one, every DataLoader iterator draws its base seed from the training process's global torch
-    generator: iterating the data would move the trainer's RNG, by an amount that depends on how many
-    iterators were made (epochs, passes, restarts). Augmentation does not use the workers' generators
-    (SeededTransform seeds per sample), so this only keeps the training process's generator untouched.
-    """
-    digest = hashlib.blake2b(repr(("loader",) + parts).encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
-
-
-@dataclass
-class _Geometry:
-    """The batch arithmetic shared by both kinds of data."""
-
-    rank: int
-    world_size: int
-    micro_batch_size: int  # m
-    accum_freq: int  # k
-
-    @property
-    def global_batch(self) -> int:  # N = W*k*m
-        return self.world_size * self.accum_freq * self.micro_batch_size
-
-    def micro_batch_ids(self) -> list[int]:
-        return [self.rank * self.accum_freq + j for j in range(self.accum_freq)]
-
-
-class TrainData:
-    """Base of the two loaders. Subclasses set samples_per_epoch, steps_per_epoch, iter_epoch."""
-
-    samples_per_epoch: int
-    """Global pairs trained per epoch (= steps_per_epoch * N)."""
-    steps_per_epoch: int
-    """Optimizer steps per epoch, equal on every rank."""
-
-    def __init__(self, geometry: _Geometry) -> None:
-        self.geometry = geometry
-        self.skip_counts: dict[str, int] = {}
-        self.epoch = 0
-        self.step_in_epoch = 0
-
-    def iter_epoch(self, epoch: int, start_step: int = 0) -> Iterator[StepBatch]:
-        raise NotImplementedError
-
-    def _check_start(self, epoch: int, start_step: int) -> None:
-        if epoch < 0 or not 0 <= start_step <= self.steps_per_epoch:
-            raise ValueError(
-                f"cannot start epoch {epoch} at step {start_step}: an epoch has {self.steps_per_epoch} steps"
-            )
-
-    def _advance(self, epoch: int, step: int) -> None:
-        # Called after a StepBatch is handed out: the saved position is "next step to train".
-        self.epoch, self.step_in_epoch = epoch, step + 1
-        if self.step_in_epoch == self.steps_per_epoch:
-            self.epoch, self.step_in_epoch = epoch + 1, 0
-
-    def state_dict(self) -> dict[str, Any]:
-        """Position of the next step to train: pass `epoch`, `step_in_epoch` to iter_epoch on resume."""
-        g = self.geometry
-        return {
-            "epoch": self.epoch,
-            "step_in_epoch": self.step_in_epoch,
-            "world_size": g.world_size,
-            "accum_freq": g.accum_freq,
-            "micro_batch_size": g.micro_batch_size,
-            "skip_counts": dict(self.skip_counts),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        g = self.geometry
-        saved = (state.get("world_size"), state.get("accum_freq"), state.get("micro_batch_size"))
-        if saved != (g.world_size, g.accum_freq, g.micro_batch_size):
-            logger.warning(
-                "data position was saved with (W, k, m) = %s, now %s: the step count is kept, "
-                "but which samples the rest of the epoch sees is not the same as without the restart",
-                saved,
-                (g.world_size, g.accum_freq, g.micro_batch_size),
-            )
-        self.epoch = int(state["epoch"])
-        self.step_in_epoch = int(state["step_in_epoch"])
-        self.skip_counts = dict(state.get("skip_counts", {}))
+# Side of a synthetic image when --synthetic-image-size is not set and no model filled it in.
+SYNTHETIC_RENDER_SIZE = 64
 
 
 class _StepIndexSampler:
@@ -241,7 +98,7 @@ class SyntheticTrainData(TrainData):
             seed=settings.seed,
             preprocess=SeededTransform(preprocess, settings.seed),
             tokenizer=tokenizer,
-            image_size=settings.synthetic_image_size,
+            image_size=settings.synthetic_image_size or SYNTHETIC_RENDER_SIZE,
         )
 
     def iter_epoch(self, epoch: int, start_step: int = 0) -> Iterator[StepBatch]:
@@ -285,7 +142,7 @@ def build_train_data(
     Pass the user's train transform as `preprocess`, unchanged: the loader wraps it in a SeededTransform
     with `settings.seed` itself (an already wrapped one is not wrapped twice).
     """
-    settings.validate()
+    check_data_settings(settings)
     if world_size < 1 or not 0 <= rank < world_size:
         raise DataError(f"rank {rank} is not in a world of size {world_size}")
     if batch_size < 1:
@@ -295,8 +152,6 @@ def build_train_data(
     geometry = _Geometry(rank=rank, world_size=world_size, micro_batch_size=batch_size, accum_freq=accum_freq)
     if settings.dataset_type == "synthetic":
         return SyntheticTrainData(settings, geometry, preprocess, tokenizer)
-    from ds_clip.data.wds import WebDatasetTrainData  # wds imports this module: import late
-
     return WebDatasetTrainData(settings, geometry, preprocess, tokenizer)
 
 

@@ -44,8 +44,8 @@ from PIL import Image
 from webdataset.gopen import gopen
 
 from ds_clip.data.augment import SeededTransform
-from ds_clip.data.loader import DataError, DataSettings, StepBatch, TrainData, _Geometry, loader_generator
-from ds_clip.data.urls import ShardPatternError, expand_shards
+from ds_clip.data.base import DataError, DataSettings, StepBatch, TrainData, _Geometry, loader_generator
+from ds_clip.urls import ShardPatternError, expand_shards
 
 logger = logging.getLogger("ds_clip.data")
 
@@ -68,7 +68,7 @@ def _local_path(url: str) -> str:
 
 
 def expand_urls(train_data: str, flag: str = "--train-data") -> list[str]:
-    """The shards of a --train-data/--val-data value: `ds_clip.data.urls.expand_shards` (braces, globs,
+    """The shards of a --train-data/--val-data value: `ds_clip.urls.expand_shards` (braces, globs,
     "::", `pipe:`, `file:`, URLs; local shards must exist), its errors as DataError naming `flag`."""
     try:
         return expand_shards(train_data, flag)

@@ -21,10 +21,12 @@ from urllib.parse import urlparse
 
 import braceexpand
 
+from ds_clip.errors import UserError
+
 _SHOWN_MISSING = 3  # missing shards named in an error; the rest counted
 
 
-class ShardPatternError(ValueError):
+class ShardPatternError(UserError):
     """A shard pattern that names nothing, or names local files that do not exist.
 
     The message is one line naming the flag and the pattern (or the source within it) at fault.

@@ -1,0 +1,72 @@
+"""The DeepSpeed presets shipped with ds_clip (ds_configs/*.json), and the error every bad setting raises.
+
+    load_preset("zero2_bf16")            # a shipped preset, by name
+    load_preset("path/to/mine.json")     # a JSON of the user's own
+
+A low module (standard library and ds_clip.errors only): ds_clip.config reads a preset's precision and
+ds_clip.ds_config resolves a preset against the flags, and neither has to import the other's layer.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+from ds_clip.errors import UserError
+
+# The presets live once in git, in the repo's top-level ds_configs/. ds_clip/ds_configs is a symlink to it, so
+# the editable checkout reads them in place, and setuptools copies the files it points to into the wheel as
+# package data (pyproject.toml): an installed ds_clip finds them inside the package, no checkout needed.
+PRESET_DIR = files("ds_clip") / "ds_configs"
+
+
+class SettingsError(UserError):
+    """Bad user input. The message is one line naming the flag (or file, or JSON key) at fault.
+
+    The entry point prints `ds-clip-train: error: <message>` and exits with status 2, like argparse.
+    Defined here, below both ds_clip.config and ds_clip.ds_config, which raise it (config re-exports it).
+    """
+
+
+def list_presets() -> list[str]:
+    """Names of the presets shipped in ds_configs/ (file names without .json), sorted."""
+    return sorted(p.name[: -len(".json")] for p in PRESET_DIR.iterdir() if p.name.endswith(".json"))
+
+
+def preset_label(name_or_path: str) -> str:
+    """How error messages name a preset: "ds_configs/zero2_bf16.json" or the path the user gave."""
+    return name_or_path if name_or_path.endswith(".json") else f"ds_configs/{name_or_path}.json"
+
+
+def load_preset(name_or_path: str) -> dict[str, Any]:
+    """A preset name (ds_configs/<name>.json) or a path ending .json -> its JSON object."""
+    if name_or_path.endswith(".json"):
+        path = Path(name_or_path).expanduser()
+        if not path.is_file():
+            raise SettingsError(f"--ds-config {name_or_path}: no such file")
+    else:
+        path = PRESET_DIR / f"{name_or_path}.json"
+        if not path.is_file():
+            raise SettingsError(
+                f"--ds-config {name_or_path!r} is neither a preset ({', '.join(list_presets())}) "
+                "nor a path ending .json"
+            )
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SettingsError(f"--ds-config {path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise SettingsError(f"--ds-config {path}: the top level must be a JSON object")
+    return data
+
+
+def preset_precision(name_or_path: str) -> str:
+    """The precision a preset enables ("bf16", "fp16"), else "fp32": what --precision is when left out."""
+    preset = load_preset(name_or_path)
+    for key in ("bf16", "bfloat16", "fp16"):
+        section = preset.get(key)
+        if isinstance(section, dict) and section.get("enabled"):
+            return "fp16" if key == "fp16" else "bf16"
+    return "fp32"
