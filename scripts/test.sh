@@ -12,6 +12,8 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
 ruff check ds_clip tests benchmarks scripts
 ruff format --check ds_clip tests benchmarks scripts
+# Import layers and no cycles (pyproject.toml [tool.importlinter]).
+lint-imports
 set +e
 python -m pytest -ra "$@"
 rc=$?
