@@ -520,9 +520,21 @@ def test_data_flags_reach_the_data_section():
     section is what ds_clip.data.build_train_data takes."""
     s = parse_settings(["--synthetic-image-size", "32", "--shuffle-buffer", "7", "--seed", "3"])
     assert (s.data.synthetic_image_size, s.data.shuffle_buffer, s.data.seed) == (32, 7, 3)
-    assert (
-        parse_settings([]).data.synthetic_image_size is None
-    )  # the model's image size, filled by the trainer
+    # None: the model's image size, filled in by the trainer.
+    assert parse_settings([]).data.synthetic_image_size is None
+    # The section goes to the loader as it is: images rendered at --synthetic-image-size.
+    import torch
+    from torchvision.transforms import ToTensor
+
+    from ds_clip.data import build_train_data
+
+    s = parse_settings(["--synthetic-image-size", "32", "--workers", "0", "--train-num-samples", "4"])
+    data = build_train_data(
+        s.data, preprocess=ToTensor(), tokenizer=lambda caps: torch.zeros(len(caps), 4, dtype=torch.long),
+        rank=0, world_size=1, batch_size=2, accum_freq=1,
+    )  # fmt: skip
+    images, _ = next(iter(data.iter_epoch(0))).micro_batches[0]
+    assert tuple(images.shape) == (2, 3, 32, 32)
     for argv, needle in (
         (["--synthetic-image-size", "4"], "--synthetic-image-size must be >= 8, got 4"),
         (["--shuffle-buffer", "-1"], "--shuffle-buffer must be >= 0, got -1"),
