@@ -15,6 +15,7 @@ on a GPU node it needs W*k GPUs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -120,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     for i, (la, lb) in enumerate(zip(loss_a, loss_b), start=1):
         print(f"{i:>4}  {la:>18.6f}  {lb:>18.6f}  {abs(la - lb):>9.2e}")
     tag = f"step_{a.steps:08d}"
-    wa = consolidated_state_dict(root / "A" / "checkpoints" / tag)
-    wb = consolidated_state_dict(root / "B" / "checkpoints" / tag)
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):  # DeepSpeed's loading prints
+        wa = consolidated_state_dict(root / "A" / "checkpoints" / tag)
+        wb = consolidated_state_dict(root / "B" / "checkpoints" / tag)
     worst_name, worst = max(
         ((n, float((p.float() - wb[n].float()).abs().max())) for n, p in wa.items()), key=lambda t: t[1]
     )
