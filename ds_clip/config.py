@@ -387,14 +387,14 @@ class Flag:
             return "off"
         if self.default is None:
             return "none"
-        return ",".join(self.default) or "none" if isinstance(self.default, list) else str(self.default)
+        if isinstance(self.default, list):
+            return ",".join(self.default) or "none"
+        return str(self.default)
 
     def type_text(self) -> str:
         """Type and unit, for the docs table."""
         if self.is_switch:
             return "switch"
-        if self.meta["choices"]:
-            return " \\| ".join(self.meta["choices"])
         base = {int: "int", float: "float", str: "str"}.get(_base_type(self.type), "list")
         return f"{base}, {self.meta['unit']}" if self.meta["unit"] else base
 
@@ -437,7 +437,8 @@ def flags() -> tuple[Flag, ...]:
                      dict(f.metadata))
             )  # fmt: skip
     names = [f.name for f in out]
-    assert len(names) == len(set(names)), "field names must be unique across sections"
+    if len(names) != len(set(names)):
+        raise AssertionError("field names must be unique across sections: each is a flag's dest")
     return tuple(out)
 
 
@@ -475,8 +476,8 @@ def add_flags(
             base = _base_type(f.type)
             if typing.get_origin(f.type) is list:
                 kw["type"] = _comma_list
-            elif base in (int, float):
-                kw["type"] = _optional(base) if f.default is None else base
+            elif base in (int, float):  # an optional number also takes "none"
+                kw["type"] = _optional(base) if type(None) in typing.get_args(f.type) else base
             kw["default"] = (
                 None if m["derived"] else (list(f.default) if isinstance(f.default, list) else f.default)
             )

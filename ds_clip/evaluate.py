@@ -75,7 +75,8 @@ EVAL_BATCH_SIZE = 64
 class EvalSettings:
     """What one evaluation reads. Not a second definition of flags: the trainer builds it from its
     settings (`from_settings`: the `eval` section plus the data and batch values it shares) and ds-clip-eval
-    from the same fields' flags (`build_parser`); the defaults below are those fields' defaults."""
+    from the same fields' flags (`build_parser`); the defaults below are those fields' defaults, but for
+    ds-clip-eval's larger batch."""
 
     val_data: str
     """--val-data."""
@@ -571,14 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     model = bundle.model.eval()
     size = load_model_cfg(name)["vision_cfg"].get("image_size", 224)
     s = EvalSettings(
-        val_data=args.val_data,
-        val_num_samples=args.val_num_samples,
-        batch_size=args.batch_size,
-        zeroshot_classes=args.zeroshot_classes,
-        seed=args.seed,
+        **{name: getattr(args, name) for name in SHARED_FLAGS if name != "pretrained"},
         image_size=size if isinstance(size, int) else size[0],
-        image_key=args.image_key,
-        caption_key=args.caption_key,
     )
     metrics = evaluate(
         lambda image=None, text=None: model(image=image, text=text),
