@@ -111,6 +111,8 @@ class SyntheticTrainData(TrainData):
             dataset,
             batch_sampler=sampler,
             num_workers=self.workers,
+            # Page-locked batches let the step copy them to the GPU with non_blocking=True.
+            pin_memory=torch.cuda.is_available(),
             persistent_workers=False,
             prefetch_factor=4 if self.workers > 0 else None,
             generator=loader_generator(self.seed, epoch, g.rank, start_step),

@@ -538,6 +538,8 @@ class WebDatasetTrainData(TrainData):
             _WorkerStream(dataclasses.replace(self._pipeline, plan=plan)),
             batch_size=None,
             num_workers=self.workers,
+            # Page-locked batches let the step copy them to the GPU with non_blocking=True.
+            pin_memory=torch.cuda.is_available(),
             persistent_workers=False,
             prefetch_factor=4 if self.workers > 0 else None,
             generator=loader_generator(
