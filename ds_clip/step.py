@@ -169,7 +169,13 @@ def cached_step(
     if any(int(t.shape[0]) != n for (_, t), n in zip(micro_batches, sizes)):
         raise MicroBatchSizeError(f"images and texts of a micro-batch differ in count: {sizes}")
     check_micro_batch_sizes(sizes)
-    batches = [(_to_device(i, device, dtype), _to_device(t, device)) for i, t in micro_batches]
+
+    def on_device(j: int) -> dict[str, torch.Tensor]:
+        # Data offload: the k micro-batches' inputs stay where the loader put them (pinned host memory on
+        # GPUs) and only the one being embedded is on the device, so device memory for inputs does not
+        # grow with k (k-1 extra host-to-device copies per step, asynchronous from pinned memory).
+        images, texts = micro_batches[j]
+        return {"image": _to_device(images, device, dtype), "text": _to_device(texts, device)}
 
     def seed(j: int) -> None:
         if micro_batch_seeds is not None:
@@ -177,7 +183,7 @@ def cached_step(
 
     # Phase 1: embed. Micro-batch 0 keeps its graph; the rest are cached without one.
     seed(0)
-    out0 = engine(image=batches[0][0], text=batches[0][1])
+    out0 = engine(**on_device(0))
     images = [out0["image_features"].detach()]
     texts = [out0["text_features"].detach()]
     rng_states: list = [None]
@@ -185,7 +191,7 @@ def cached_step(
         for j in range(1, k):
             seed(j)
             rng_states.append(_rng_state(device))
-            out = engine(image=batches[j][0], text=batches[j][1])
+            out = engine(**on_device(j))
             images.append(out["image_features"])
             texts.append(out["text_features"])
     rng_after_embed = _rng_state(device)
@@ -229,7 +235,7 @@ def cached_step(
             out = out0
         else:
             _set_rng_state(rng_states[j], device)
-            out = engine(image=batches[j][0], text=batches[j][1])
+            out = engine(**on_device(j))
         surrogate = _dot(out["image_features"], g_images[j]) + _dot(out["text_features"], g_texts[j])
         if j == 0:
             # logit_scale (and logit_bias) enter exactly once per step.
