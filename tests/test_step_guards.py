@@ -159,3 +159,33 @@ def test_fp16_overflow_is_a_skipped_step_with_the_schedule_held(results):
     f = results["fp16"]
     assert f["skipped"] and f["overflow"], f
     assert f["lr_after"] == f["lr_before"], f
+
+
+def _alone(model: str) -> dict:
+    from ds_clip.testing import RunSpec, run_in_group
+
+    spec = RunSpec(
+        model=model, micro_batch_size=2, accum_freq=2, steps=1, zero_stage=0, capture_grads=True,
+        count_collectives=True,
+    )  # fmt: skip
+    result = run_in_group(spec)
+    return {"reduced": result.gradient_reduction_passes(), "grads": result.grads, "spec": spec}
+
+
+def test_one_rank_zero0_reduces_no_gradient_and_stays_exact(tmp_path):
+    """W = 1, ZeRO-0: DeepSpeed's all-reduce of the flattened gradient (the identity on one rank) is
+    skipped: no gradient bytes pass through a collective, and the step's gradient still equals open_clip's
+    full-batch gradient in one process (fp32, relative error <= 1e-5 per parameter)."""
+    from ds_clip.testing import oracle_errors, oracle_first_step, write_model_dirs
+
+    models = write_model_dirs(tmp_path)
+    out = spawn_group(1, _alone, models["vit"])
+    assert out["reduced"] == 0
+    oracle_grads, _ = oracle_first_step(out["spec"], world_size=1)
+
+    class Result:
+        grads = out["grads"]
+
+    errors = oracle_errors(Result, oracle_grads, floor=1e-3)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 1e-5, f"{worst}: relative error {errors[worst]:.2e}"
