@@ -42,6 +42,7 @@ BUILTIN_MODELS = ("ds-clip-tiny", "ds-clip-tiny-siglip")
 PRECISIONS = ("fp32", "bf16", "fp16")
 LOSS_IMPLS = ("auto", "dense", "tiled")
 DATASET_TYPES = ("synthetic", "webdataset")
+IMAGE_INTERPOLATIONS = ("bicubic", "bilinear", "random")
 REPORTERS = ("tensorboard", "csv", "wandb")
 LOCAL_DIR_PREFIX = "local-dir:"
 # A synthetic run without --train-num-samples trains this many pairs per epoch.
@@ -64,6 +65,8 @@ __all__ = [
     "build_parser",
     "check_data",
     "check_eval",
+    "check_model_flags",
+    "aug_cfg_dict",
     "default_run_name",
     "flags",
     "parse_settings",
@@ -85,6 +88,7 @@ def opt(
     default_text: str | None = None,
     derived: bool = False,
     hidden: bool = False,
+    nargs: str | None = None,
 ) -> Any:
     """A settings field and what its flag needs beyond type, default and docstring.
 
@@ -94,10 +98,12 @@ def opt(
     "ds_clip only". default_text: how --help shows a default that is not a plain value.
     derived: the command line leaves it None and `parse_settings` derives it (--dataset-type, --precision).
     hidden: a flag users do not set (the launcher's --local_rank): no --help line.
+    nargs: a list flag that takes several words as open_clip's does ("+", "*": `--image-mean 0.5 0.5 0.5`),
+    each converted to the list's item type; without it a list flag takes one comma-separated word.
     """
     meta = dict(
         flag=flag, aliases=aliases, choices=choices, metavar=metavar, unit=unit, open_clip=open_clip,
-        default_text=default_text, derived=derived, hidden=hidden,
+        default_text=default_text, derived=derived, hidden=hidden, nargs=nargs,
     )  # fmt: skip
     return field(default=default, default_factory=default_factory, metadata=meta)
 
@@ -122,6 +128,46 @@ class ModelSettings:
     grad_checkpointing: bool = opt(False)
     """Recompute tower activations in backward (open_clip's set_grad_checkpointing): less memory, more
     compute."""
+    lock_image: bool = opt(False)
+    """Lock the image tower (LiT): its parameters get no gradient, no optimizer state and never change
+    (open_clip's lock_image_tower). Fully locked, it is not recomputed in the cached step."""
+    lock_image_unlocked_groups: int = opt(0, metavar="N", unit="layer groups")
+    """With --lock-image: leave the last N layer groups of the image tower trainable (open_clip's groups:
+    for a ViT the stem, each block, the last block with ln_post, the projection)."""
+    lock_image_freeze_bn_stats: bool = opt(False)
+    """With --lock-image: freeze BatchNorm running statistics of the locked layers (ResNet/timm towers)."""
+    lock_text: bool = opt(False)
+    """Lock the text tower: its parameters get no gradient, no optimizer state and never change (open_clip's
+    lock_text_tower). Fully locked, it is not recomputed in the cached step."""
+    lock_text_unlocked_layers: int = opt(0, metavar="N", unit="layer groups")
+    """With --lock-text: leave the last N layer groups of the text tower trainable (open_clip's groups: the
+    embeddings, each block, the last block with ln_final, the projection)."""
+    lock_text_freeze_layer_norm: bool = opt(
+        False,
+        open_clip="differs: open_clip stops with an AssertionError without it for its own text towers; "
+        "ds_clip exits 2 naming the flag",
+    )
+    """With --lock-text: keep LayerNorm of the locked layers frozen too. open_clip's own text towers always
+    freeze it and need this flag; Hugging Face text towers leave LayerNorm trainable without it."""
+    force_patch_dropout: float | None = opt(None, metavar="P", unit="fraction of patches")
+    """Set the image tower's patch dropout (FLIP) to P in [0, 1), e.g. 0 to fine-tune without it;
+    none: the model config's."""
+    force_image_size: list[int] | None = opt(None, metavar="PX", unit="pixels", nargs="+")
+    """Image side (or height width) of the model and of its transforms (synthetic data renders at it);
+    none: the model config's."""
+    image_mean: list[float] | None = opt(None, metavar="MEAN", nargs="+")
+    """Per-channel mean the transforms normalise with (1 or 3 values); none: the model's."""
+    image_std: list[float] | None = opt(None, metavar="STD", nargs="+")
+    """Per-channel standard deviation the transforms normalise with (1 or 3 values, > 0); none: the
+    model's."""
+    image_interpolation: str | None = opt(None, choices=IMAGE_INTERPOLATIONS)
+    """Resize interpolation of the transforms ("random": a random one per training image); none: the
+    model's."""
+    aug_cfg: list[str] = opt(
+        default_factory=list, metavar="KEY=VALUE", nargs="*", open_clip="same (stored as its KEY=VALUE words)"
+    )
+    """Training augmentation as open_clip's AugmentationCfg, e.g. scale='(0.5,1.0)' use_timm=True
+    color_jitter=0.4 (values read as Python literals, else strings). Seeded per (seed, epoch, sample)."""
 
 
 @dataclass
@@ -474,7 +520,10 @@ def add_flags(
             kw["action"] = "store_true"
         else:
             base = _base_type(f.type)
-            if typing.get_origin(f.type) is list:
+            if m["nargs"]:  # several words, each of the list's item type (open_clip's nargs flags)
+                kw["nargs"] = m["nargs"]
+                kw["type"] = typing.get_args(base)[0]
+            elif typing.get_origin(f.type) is list:
                 kw["type"] = _comma_list
             elif base in (int, float):  # an optional number also takes "none"
                 kw["type"] = _optional(base) if type(None) in typing.get_args(f.type) else base
@@ -676,6 +725,7 @@ def validate(s: TrainSettings) -> None:
     if s.model.pretrained:
         _check_pretrained(s.model.pretrained)
     _check_model(s.model)
+    check_model_flags(s.model)
     # resume
     if ck.resume == "latest":
         _need(lg.name is not None, "--resume latest needs --name of the run to continue")
@@ -706,6 +756,64 @@ def _check_model(m: ModelSettings) -> None:
             f"--model {m.model!r} is unknown: use {', '.join(BUILTIN_MODELS)}, an open_clip model name "
             "(open_clip.list_models()), or local-dir:PATH"
         )
+
+
+def check_model_flags(m: ModelSettings) -> None:
+    """The locking, image and augmentation flags: ranges, and each sub-flag only with its main flag. (What
+    depends on the tower, e.g. unlocked groups of a ResNet, open_clip refuses when the model is built.)"""
+    for name, main in (
+        ("lock_image_unlocked_groups", "lock_image"),
+        ("lock_image_freeze_bn_stats", "lock_image"),
+        ("lock_text_unlocked_layers", "lock_text"),
+        ("lock_text_freeze_layer_norm", "lock_text"),
+    ):
+        value = getattr(m, name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            _check_min(name, value, 0)
+        _need(
+            not value or getattr(m, main),
+            f"{flag_named(name).option} needs {flag_named(main).option} (it only changes a locked tower)",
+        )
+    if m.force_patch_dropout is not None:
+        _need(
+            0 <= m.force_patch_dropout < 1,
+            f"--force-patch-dropout must be in [0, 1) (a fraction of patches), got {m.force_patch_dropout}",
+        )
+    if m.force_image_size is not None:
+        _need(
+            len(m.force_image_size) in (1, 2) and all(v >= 1 for v in m.force_image_size),
+            f"--force-image-size takes one side or height and width in pixels (>= 1), got {m.force_image_size}",
+        )
+    for name in ("image_mean", "image_std"):
+        values = getattr(m, name)
+        if values is not None:
+            option = flag_named(name).option
+            _need(len(values) in (1, 3), f"{option} takes 1 or 3 values (per channel), got {len(values)}")
+            _need(name != "image_std" or min(values) > 0, f"{option} values must be > 0, got {values}")
+    if m.image_interpolation is not None:
+        _check_choice("image_interpolation", m.image_interpolation)
+    if m.aug_cfg:
+        aug_cfg_dict(m.aug_cfg)
+
+
+def aug_cfg_dict(words: list[str]) -> dict[str, Any]:
+    """--aug-cfg words -> open_clip's aug_cfg dict, read as open_clip_train's ParseKwargs reads them (each
+    value a Python literal, else the plain string); unknown keys refused, as AugmentationCfg would."""
+    from dataclasses import fields as dc_fields
+
+    from open_clip.transform import AugmentationCfg  # only when --aug-cfg is given
+
+    known = {f.name for f in dc_fields(AugmentationCfg)}
+    out: dict[str, Any] = {}
+    for word in words:
+        key, sep, text = word.partition("=")
+        _need(bool(sep) and bool(key), f"--aug-cfg: {word!r} is not KEY=VALUE")
+        _need(key in known, f"--aug-cfg: unknown key {key!r}; open_clip's keys: {', '.join(sorted(known))}")
+        try:
+            out[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            out[key] = text  # as open_clip: a bare word (rand-m9-mstd0.5) is a string
+    return out
 
 
 def _check_pretrained(pretrained: str) -> None:

@@ -26,14 +26,36 @@ class BuiltEngine:
 
 
 def build_model_bundle(s: TrainSettings) -> ModelBundle:
-    """The open_clip model (seeded by --seed, made DeepSpeed-safe) with its tokenizer and transforms."""
+    """The open_clip model (seeded by --seed, made DeepSpeed-safe) with its tokenizer and transforms; the
+    image flags reach the model and the transforms, the locking flags freeze parameters before any engine
+    (and so any optimizer) sees them."""
+    from ds_clip.config import aug_cfg_dict
     from ds_clip.export import resolve_pretrained
+    from ds_clip.model import ImageOptions, TowerLocks
 
+    m = s.model
+    size = m.force_image_size
     bundle = build_model(
-        s.model.model,
-        pretrained=resolve_pretrained(s.model.pretrained),  # an exported folder or a weights file
+        m.model,
+        pretrained=resolve_pretrained(m.pretrained),  # an exported folder or a weights file
         seed=s.data.seed,
-        grad_checkpointing=s.model.grad_checkpointing,
+        grad_checkpointing=m.grad_checkpointing,
+        image=ImageOptions(
+            force_patch_dropout=m.force_patch_dropout,
+            force_image_size=None if size is None else (size[0] if len(size) == 1 else (size[0], size[1])),
+            image_mean=None if m.image_mean is None else tuple(m.image_mean),
+            image_std=None if m.image_std is None else tuple(m.image_std),
+            image_interpolation=m.image_interpolation,
+            aug_cfg=aug_cfg_dict(m.aug_cfg) if m.aug_cfg else None,
+        ),
+        locks=TowerLocks(
+            image=m.lock_image,
+            image_unlocked_groups=m.lock_image_unlocked_groups,
+            image_freeze_bn_stats=m.lock_image_freeze_bn_stats,
+            text=m.lock_text,
+            text_unlocked_layers=m.lock_text_unlocked_layers,
+            text_freeze_layer_norm=m.lock_text_freeze_layer_norm,
+        ),
     )
     prepare_for_deepspeed(bundle.model)
     return bundle

@@ -14,6 +14,7 @@ adds what DeepSpeed 0.19.x needs to hold an open_clip model correctly:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,17 +67,46 @@ def load_model_cfg(name: str) -> dict:
     return cfg
 
 
+@dataclass(frozen=True)
+class TowerLocks:
+    """open_clip's locking flags (``--lock-image`` ...), applied by open_clip's own lock methods."""
+
+    image: bool = False
+    image_unlocked_groups: int = 0
+    image_freeze_bn_stats: bool = False
+    text: bool = False
+    text_unlocked_layers: int = 0
+    text_freeze_layer_norm: bool = False
+
+
+@dataclass(frozen=True)
+class ImageOptions:
+    """open_clip's model and transform overrides (``--force-image-size`` ...): None keeps the model's."""
+
+    force_patch_dropout: float | None = None
+    force_image_size: int | tuple[int, int] | None = None
+    image_mean: tuple[float, ...] | None = None
+    image_std: tuple[float, ...] | None = None
+    image_interpolation: str | None = None
+    aug_cfg: dict[str, Any] | None = None
+
+
 def build_model(
     name: str,
     *,
     pretrained: str | None = None,
     seed: int | None = 0,
     grad_checkpointing: bool = False,
+    image: ImageOptions | None = None,
+    locks: TowerLocks | None = None,
 ) -> ModelBundle:
     """Create an open_clip model (fp32, on the CPU) plus its tokenizer and transforms.
 
     ``seed`` makes the initial weights identical on every rank and in every run with that seed, which
     the equivalence tests and the demo rely on (DeepSpeed also broadcasts rank 0's weights).
+    ``image`` goes to open_clip.create_model_and_transforms as open_clip_train passes it, so it reaches both
+    the model and the transforms; ``locks`` are applied after the weights are loaded, as open_clip_train
+    does, before any engine sees the model (locked parameters: ``requires_grad`` False).
     """
     if seed is not None:
         torch.manual_seed(seed)
@@ -84,16 +114,68 @@ def build_model(
     if pretrained:
         # (a local-dir: model loads the weights in its own folder; config refuses --pretrained with it)
         kwargs["pretrained"] = pretrained
+    if image is not None:
+        kwargs.update({k: v for k, v in dataclasses.asdict(image).items() if v is not None})
     import pickle
 
     try:
         model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(name, **kwargs)
     except pickle.UnpicklingError as exc:
         raise _unsafe_weights(pretrained) from exc
+    if locks is not None:
+        lock_towers(model, locks)
     if grad_checkpointing:
         model.set_grad_checkpointing(True)
     tokenizer = open_clip.get_tokenizer(name)
-    return ModelBundle(model, tokenizer, preprocess_train, preprocess_val, name, load_model_cfg(name))
+    model_cfg = load_model_cfg(name)
+    if image is not None and (image.force_image_size is not None or image.force_patch_dropout is not None):
+        # What the model was built with (the trainer renders synthetic data at this size; checkpoints and
+        # exports record it, so the exported folder rebuilds this model).
+        vision = dict(model_cfg["vision_cfg"])
+        if image.force_image_size is not None:
+            vision["image_size"] = image.force_image_size
+        if image.force_patch_dropout is not None:
+            vision["patch_dropout"] = image.force_patch_dropout
+        model_cfg = {**model_cfg, "vision_cfg": vision}
+    return ModelBundle(model, tokenizer, preprocess_train, preprocess_val, name, model_cfg)
+
+
+def lock_towers(model: nn.Module, locks: TowerLocks) -> None:
+    """open_clip's lock_image_tower / lock_text_tower, as open_clip_train calls them; what a tower refuses
+    (open_clip asserts) becomes a ModelError naming the flag."""
+    if locks.image:
+        try:
+            model.lock_image_tower(
+                unlocked_groups=locks.image_unlocked_groups, freeze_bn_stats=locks.image_freeze_bn_stats
+            )
+        except (AssertionError, RuntimeError) as exc:
+            raise ModelError(
+                f"--lock-image-unlocked-groups {locks.image_unlocked_groups}: this image tower "
+                f"({type(model.visual).__name__}) refuses it: {exc or 'partial locking is not supported'}"
+            ) from None
+    if locks.text:
+        try:
+            model.lock_text_tower(
+                unlocked_layers=locks.text_unlocked_layers, freeze_layer_norm=locks.text_freeze_layer_norm
+            )
+        except AssertionError:
+            raise ModelError(
+                "--lock-text: open_clip's own text tower always freezes LayerNorm when locked and refuses to "
+                "leave it trainable: add --lock-text-freeze-layer-norm"
+            ) from None
+
+
+def frozen_towers(model: nn.Module) -> tuple[bool, bool]:
+    """(image, text): is every parameter of that tower frozen (``requires_grad`` False)? The text tower is
+    every parameter outside ``visual`` but ``logit_scale``/``logit_bias``. A fully frozen tower needs no
+    recompute in the cached step (its embeddings carry no gradient)."""
+    image, text = [], []
+    for n, p in model.named_parameters():
+        if n.startswith("visual."):
+            image.append(p.requires_grad)
+        elif n not in ("logit_scale", "logit_bias"):
+            text.append(p.requires_grad)
+    return (bool(image) and not any(image)), (bool(text) and not any(text))
 
 
 def prepare_for_deepspeed(model: nn.Module) -> list[str]:

@@ -37,6 +37,7 @@ from torch import nn
 from ds_clip import distributed
 from ds_clip.errors import UserError
 from ds_clip.loss import ContrastiveLoss
+from ds_clip.model import frozen_towers
 
 
 class MicroBatchSizeError(UserError):
@@ -78,17 +79,25 @@ def input_dtype(engine) -> torch.dtype:
 
 
 @contextlib.contextmanager
-def frozen_batchnorm_stats(module: nn.Module) -> Iterator[None]:
+def frozen_batchnorm_stats(module: nn.Module, *, skipped_tower: str | None = None) -> Iterator[None]:
     """Train-mode BatchNorm that normalises with batch statistics but leaves running stats alone.
 
     With ``track_running_stats=False`` a training BatchNorm uses the batch statistics exactly as a
     tracking one does, but neither updates ``running_mean``/``running_var`` nor ``num_batches_tracked``,
     so the no-grad pass computes the same embeddings without counting the micro-batch twice.
+    ``skipped_tower`` ("image" or "text"): a tower that is not recomputed keeps updating its running stats
+    here, in its only pass.
     """
+
+    def recomputed(name: str) -> bool:
+        if skipped_tower is None:
+            return True
+        return name.startswith("visual.") != (skipped_tower == "image")
+
     bns = [
         m
-        for m in module.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+        for name, m in module.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats and recomputed(name)
     ]
     for m in bns:
         m.track_running_stats = False
@@ -181,17 +190,36 @@ def cached_step(
         if micro_batch_seeds is not None:
             torch.manual_seed(micro_batch_seeds[j])
 
+    # A fully locked tower (--lock-image / --lock-text, no parameter of it trainable) gets no gradient from
+    # its embeddings, so phase 3 runs only the other tower's forward (through the engine's top-level
+    # forward, which under ZeRO-3 gathers the root parameters): one tower's forward saved per recomputed
+    # micro-batch. open_clip's forward runs the image tower first; when the image tower is the skipped one,
+    # phase 1 embeds the two towers in two calls and records the RNG state between them, so the text
+    # tower's recompute draws what it drew in the cache pass (the stream is the one a joint forward draws).
+    image_frozen, text_frozen = frozen_towers(engine.module)
+    skipped = "image" if image_frozen else ("text" if text_frozen else None)
+    recompute = not (image_frozen and text_frozen)
+
     # Phase 1: embed. Micro-batch 0 keeps its graph; the rest are cached without one.
     seed(0)
     out0 = engine(**on_device(0))
     images = [out0["image_features"].detach()]
     texts = [out0["text_features"].detach()]
     rng_states: list = [None]
-    with torch.no_grad(), frozen_batchnorm_stats(engine.module):
+    with torch.no_grad(), frozen_batchnorm_stats(engine.module, skipped_tower=skipped):
         for j in range(1, k):
             seed(j)
-            rng_states.append(_rng_state(device))
-            out = engine(**on_device(j))
+            inputs = on_device(j)
+            if image_frozen and not text_frozen:
+                image_j = engine(image=inputs["image"])["image_features"]
+                rng_states.append(_rng_state(device))
+                out = {
+                    "image_features": image_j,
+                    "text_features": engine(text=inputs["text"])["text_features"],
+                }
+            else:
+                rng_states.append(_rng_state(device))
+                out = engine(**inputs)
             images.append(out["image_features"])
             texts.append(out["text_features"])
     rng_after_embed = _rng_state(device)
@@ -230,13 +258,22 @@ def cached_step(
     g_scalars = [g * result.scalar_grad_coef for g in grads[2:]]
 
     # Phase 3: push the embedding gradients back through the encoders, then step once.
-    for j in range(k):
+    for j in range(k if recompute else 1):
         if j == 0:
             out = out0
         else:
             _set_rng_state(rng_states[j], device)
-            out = engine(**on_device(j))
-        surrogate = _dot(out["image_features"], g_images[j]) + _dot(out["text_features"], g_texts[j])
+            inputs = on_device(j)
+            if skipped == "image":
+                inputs = {"text": inputs["text"]}
+            elif skipped == "text":
+                inputs = {"image": inputs["image"]}
+            out = engine(**inputs)
+        surrogate = torch.zeros((), device=device)
+        if not image_frozen:
+            surrogate = surrogate + _dot(out["image_features"], g_images[j])
+        if not text_frozen:
+            surrogate = surrogate + _dot(out["text_features"], g_texts[j])
         if j == 0:
             # logit_scale (and logit_bias) enter exactly once per step.
             surrogate = surrogate + _dot(out["logit_scale"], g_scalars[0])

@@ -57,6 +57,10 @@ class RunSpec:
     """(step, rank): feed NaN images to that rank's first micro-batch at that step (fault tests)."""
     count_collectives: bool = False
     """Count DeepSpeed collectives per step with DeepSpeed's comms logger."""
+    lock_image: bool = False
+    """--lock-image (LiT): the image tower frozen, as open_clip locks it."""
+    lock_text: bool = False
+    """--lock-text --lock-text-freeze-layer-norm: the text tower frozen."""
     name: str = ""
 
 
@@ -174,6 +178,10 @@ def train_argv(spec: RunSpec, preset_dir: str | None = None) -> list[str]:
         argv.append("--gather-with-grad")
     if spec.grad_checkpointing:
         argv.append("--grad-checkpointing")
+    if spec.lock_image:
+        argv.append("--lock-image")
+    if spec.lock_text:
+        argv += ["--lock-text", "--lock-text-freeze-layer-norm"]
     return argv
 
 
@@ -208,6 +216,8 @@ class _GradProbe:
             self._groups_done: set[int] = set()
             if not hasattr(opt, "single_partition_of_fp32_groups"):
                 for n, p in self.engine.module.named_parameters():
+                    if not p.requires_grad:  # locked: no gradient anywhere (ZeRO-3 holds no optimizer for it)
+                        continue
                     g = safe_get_full_grad(p)
                     self.captured[n] = g.detach().float().clone().cpu() if g is not None else None
                 return
@@ -236,10 +246,17 @@ class _GradProbe:
 
 def full_params(engine) -> dict[str, torch.Tensor]:
     """fp32 master weights of every parameter, on every rank, in open_clip's names and shapes."""
+    import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
     out = {}
     for n, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            # A locked parameter has no optimizer (no fp32 master): its value is the module's own, gathered
+            # under ZeRO-3 (a collective: every rank, same order).
+            with deepspeed.zero.GatheredParameters([p]):
+                out[n] = p.data.detach().float().clone().cpu()
+            continue
         v = safe_get_full_fp32_param(p)
         if v is None:  # ZeRO-0 without a separate master copy
             v = p.data
@@ -378,9 +395,14 @@ def oracle_first_step(spec: RunSpec, world_size: int) -> tuple[dict[str, torch.T
     """
     from open_clip.loss import ClipLoss, SigLipLoss
 
-    from ds_clip.model import build_model
+    from ds_clip.model import TowerLocks, build_model
 
-    bundle = build_model(spec.model, seed=spec.seed, grad_checkpointing=spec.grad_checkpointing)
+    bundle = build_model(
+        spec.model,
+        seed=spec.seed,
+        grad_checkpointing=spec.grad_checkpointing,
+        locks=TowerLocks(image=spec.lock_image, text=spec.lock_text, text_freeze_layer_norm=spec.lock_text),
+    )
     model = bundle.model.train()
     images, texts, out = [], [], None
     for r in range(world_size):
@@ -457,14 +479,40 @@ CONFIGS: dict[str, dict] = {
 }
 
 
+# A pretrained model as a LiT fine-tune starts from it: an open_clip folder (config + weights) as
+# ds-clip-export writes it; its weights differ from what seed 0 would initialise.
+PRETRAINED = {"lit": "vit"}
+PRETRAINED_SEED = 1234
+
+
+def write_pretrained_dir(folder: Path, model_cfg: dict, seed: int = PRETRAINED_SEED) -> str:
+    """FOLDER/open_clip_config.json and FOLDER/open_clip_model.safetensors of a tiny open_clip model
+    initialised from ``seed`` (open_clip's own names and shapes, loaded strictly); 'local-dir:FOLDER'."""
+    import open_clip
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "open_clip_config.json").write_text(json.dumps({"model_cfg": model_cfg, "preprocess_cfg": {}}))
+    torch.manual_seed(seed)
+    model = open_clip.CLIP(**model_cfg)
+    save_file(
+        {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()},
+        str(folder / "open_clip_model.safetensors"),
+    )
+    return f"local-dir:{folder}"
+
+
 def write_model_dirs(root: Path) -> dict[str, str]:
-    """Write every config as ROOT/NAME/open_clip_config.json; return NAME -> 'local-dir:...'."""
+    """Write every config as ROOT/NAME/open_clip_config.json, and each PRETRAINED model with weights;
+    return NAME -> 'local-dir:...'."""
     names = {}
     for name, cfg in CONFIGS.items():
         d = root / name
         d.mkdir(parents=True, exist_ok=True)
         (d / "open_clip_config.json").write_text(json.dumps({"model_cfg": cfg, "preprocess_cfg": {}}))
         names[name] = f"local-dir:{d}"
+    for name, base in PRETRAINED.items():
+        names[name] = write_pretrained_dir(root / name, CONFIGS[base])
     return names
 
 
@@ -500,6 +548,7 @@ class Case:
     loss: LossSpec = GLOBAL
     offload: bool = False
     grad_checkpointing: bool = False
+    lock_image: bool = False
 
     @property
     def name(self) -> str:
@@ -509,6 +558,7 @@ class Case:
         if self.loss.impl == "tiled":
             loss += "-tiled"
         extra = ("-offload" if self.offload else "") + ("-ckpt" if self.grad_checkpointing else "")
+        extra += "-lock-image" if self.lock_image else ""
         return f"{self.model}-z{self.zero_stage}-{self.precision}-{loss}{extra}"
 
 
@@ -530,6 +580,8 @@ def _matrix() -> list[Case]:
     cases += [Case("vit_siglip", 1, "fp32", TILED_SIGLIP)]
     cases += [Case("timm_dropout", stage, "fp32", GLOBAL) for stage in (0, 3)]
     cases += [Case("resnet_bn", stage, "fp32", GLOBAL) for stage in (0, 2)]
+    # LiT: a pretrained image tower locked (not recomputed in phase 3), the text tower trained.
+    cases += [Case("lit", stage, "fp32", GLOBAL, lock_image=True) for stage in (1, 3)]
     return cases
 
 
@@ -558,6 +610,7 @@ def spec_for(case: Case, models: dict[str, str], k: int) -> RunSpec:
         offload=case.offload,
         loss=case.loss,
         grad_checkpointing=case.grad_checkpointing,
+        lock_image=case.lock_image,
         capture_grads=True,
         name=case.name,
         **ADAM,
