@@ -44,6 +44,7 @@ LOSS_IMPLS = ("auto", "dense", "tiled")
 DATASET_TYPES = ("synthetic", "webdataset")
 IMAGE_INTERPOLATIONS = ("bicubic", "bilinear", "random")
 REPORTERS = ("tensorboard", "csv", "wandb")
+LR_SCHEDULERS = ("cosine", "const", "const-cooldown")
 LOCAL_DIR_PREFIX = "local-dir:"
 # A synthetic run without --train-num-samples trains this many pairs per epoch.
 DEFAULT_SYNTHETIC_SAMPLES = 25_600
@@ -216,7 +217,7 @@ class DataSettings:
 
 @dataclass
 class OptimSettings:
-    """optim: batch sizes, length of the run, AdamW (run by DeepSpeed) and the cosine schedule."""
+    """optim: batch sizes, length of the run, AdamW (run by DeepSpeed), per-tower LRs and the LR schedule."""
 
     batch_size: int = opt(8, metavar="M", unit="pairs", open_clip="differs: default 64 there")
     """Pairs per rank per forward pass: the micro-batch m."""
@@ -228,11 +229,48 @@ class OptimSettings:
     max_steps: int | None = opt(None, metavar="STEPS", unit="steps", open_clip="ds_clip only")
     """Stop after this many optimizer steps; none: run all epochs."""
     lr: float = opt(5e-4, metavar="LR", open_clip="differs: default from the model there (5e-4 for ViTs)")
-    """Peak learning rate, reached after warmup; cosine decay to 0 over the run."""
+    """Peak learning rate, reached after warmup, then --lr-scheduler (cosine decay to 0 by default); the
+    image and text towers' default (--visual-lr, --text-lr)."""
     wd: float = opt(0.2, metavar="WD")
     """AdamW weight decay (decoupled; not applied to gains, biases and logit_scale)."""
     warmup: int = opt(0, metavar="STEPS", unit="steps", open_clip="differs: default 10000 there")
     """Linear learning-rate warmup; open_clip's 10000 suits long runs, 0 short ones."""
+    lr_scheduler: str = opt("cosine", choices=LR_SCHEDULERS)
+    """After warmup: "cosine" (decay to 0 at the last step), "const" (stay at the peak) or "const-cooldown"
+    (the peak, then from --epochs-cooldown before the end a decay to --lr-cooldown-end). Every parameter
+    group is scaled from its own peak."""
+    epochs_cooldown: int | None = opt(None, metavar="N", unit="epochs")
+    """const-cooldown: length of the cooldown, converted to optimizer steps (N x steps per epoch); it
+    starts that many steps before the last step."""
+    lr_cooldown_power: float = opt(1.0, metavar="P")
+    """const-cooldown: power of the polynomial cooldown (1: linear)."""
+    lr_cooldown_end: float = opt(0.0, metavar="LR")
+    """const-cooldown: learning rate at the end of the cooldown (a group whose peak is not --lr ends at the
+    same fraction of its own peak)."""
+    visual_lr: float | None = opt(
+        None, metavar="LR", default_text="--lr", open_clip="ds_clip only (EVA-CLIP's --visual-lr)"
+    )
+    """Peak learning rate of the image tower (visual.*); 0 keeps it where it is (AdamW moves nothing)."""
+    text_lr: float | None = opt(
+        None, metavar="LR", default_text="--lr", open_clip="ds_clip only (EVA-CLIP's --text-lr)"
+    )
+    """Peak learning rate of the text tower (transformer, token and positional embedding, ln_final,
+    text_projection; text.* for HF and custom text towers)."""
+    visual_wd: float | None = opt(
+        None, metavar="WD", default_text="--wd", open_clip="ds_clip only (EVA-CLIP's --visual-wd)"
+    )
+    """Weight decay of the image tower (not applied to its gains, biases and norms)."""
+    text_wd: float | None = opt(
+        None, metavar="WD", default_text="--wd", open_clip="ds_clip only (EVA-CLIP's --text-wd)"
+    )
+    """Weight decay of the text tower (not applied to its gains, biases and norms)."""
+    visual_ld: float = opt(1.0, metavar="LD", open_clip="ds_clip only (EVA-CLIP's --visual-ld)")
+    """Layer-wise LR decay of the image tower (EVA-CLIP's rule): with L blocks, the embeddings are layer
+    0, block i is layer i+1, the rest (final norm, projection) layer L+1; layer l trains at
+    --visual-lr * LD^(L+1-l). 1: off."""
+    text_ld: float = opt(1.0, metavar="LD", open_clip="ds_clip only (EVA-CLIP's --text-ld)")
+    """Layer-wise LR decay of the text tower, as --visual-ld (token and positional embedding: layer 0;
+    ln_final, text_projection: layer L+1). 1: off."""
     beta1: float = opt(0.9, metavar="B1", open_clip="differs: default from the model there (0.9 for ViTs)")
     """AdamW beta1 (first-moment decay)."""
     beta2: float = opt(0.98, metavar="B2", open_clip="differs: default from the model there (0.98 for ViTs)")
@@ -682,6 +720,7 @@ def validate(s: TrainSettings) -> None:
     _need(0 <= o.beta2 < 1, f"--beta2 must be in [0, 1), got {o.beta2}")
     _check_min("eps", o.eps, 0, strict=True)
     _check_min("warmup", o.warmup, 0)
+    _check_optim_groups_and_schedule(o)
     _need(
         o.grad_clip_norm is None or o.grad_clip_norm > 0,
         f"--grad-clip-norm must be > 0 (omit it for no clipping), got {o.grad_clip_norm}",
@@ -733,6 +772,58 @@ def validate(s: TrainSettings) -> None:
         _need(Path(ck.resume).expanduser().exists(), f"--resume {ck.resume!r}: no such checkpoint folder")
     # The DeepSpeed preset: exists, parses, and agrees with the flags (world size unknown yet).
     check_preset(s)
+
+
+def _check_optim_groups_and_schedule(o: OptimSettings) -> None:
+    """Per-tower LR / weight decay / layer decay, and the LR schedule's flags."""
+    for name in ("visual_lr", "text_lr", "visual_wd", "text_wd"):
+        _check_min(name, getattr(o, name), 0, optional=True)
+    for name in ("visual_ld", "text_ld"):
+        value = getattr(o, name)
+        _need(0 < value <= 1, f"{flag_named(name).option} must be in (0, 1] (1: no layer decay), got {value}")
+    _check_choice("lr_scheduler", o.lr_scheduler)
+    if o.lr_scheduler == "const-cooldown":
+        _need(o.epochs_cooldown is not None, "--lr-scheduler const-cooldown needs --epochs-cooldown (epochs)")
+        _check_min("epochs_cooldown", o.epochs_cooldown, 1)
+        _need(
+            o.max_steps is not None or o.epochs_cooldown <= o.epochs,
+            f"--epochs-cooldown {o.epochs_cooldown} is longer than the run (--epochs {o.epochs})",
+        )
+        _check_min("lr_cooldown_power", o.lr_cooldown_power, 0, strict=True)
+        _need(
+            0 <= o.lr_cooldown_end <= o.lr,
+            f"--lr-cooldown-end must be in [0, --lr {o.lr:g}], got {o.lr_cooldown_end}",
+        )
+        return
+    for name, default in (("epochs_cooldown", None), ("lr_cooldown_power", 1.0), ("lr_cooldown_end", 0.0)):
+        _need(
+            getattr(o, name) == default,
+            f"{flag_named(name).option} applies to --lr-scheduler const-cooldown only (got "
+            f"--lr-scheduler {o.lr_scheduler})",
+        )
+
+
+def _check_model(m: ModelSettings) -> None:
+    if m.model in BUILTIN_MODELS:
+        return
+    if m.model.startswith(LOCAL_DIR_PREFIX):
+        folder = Path(m.model[len(LOCAL_DIR_PREFIX) :]).expanduser()
+        if not (folder / "open_clip_config.json").is_file():
+            raise SettingsError(f"--model {m.model}: {folder / 'open_clip_config.json'} not found")
+        if m.pretrained:
+            # open_clip ignores pretrained= for local-dir: and loads the folder's own weights.
+            raise SettingsError(
+                f"--pretrained is ignored with --model {m.model}: put the weights in that folder "
+                "(open_clip_model.safetensors) instead"
+            )
+        return
+    import open_clip  # only for names we do not know ourselves (a few seconds)
+
+    if m.model not in open_clip.list_models():
+        raise SettingsError(
+            f"--model {m.model!r} is unknown: use {', '.join(BUILTIN_MODELS)}, an open_clip model name "
+            "(open_clip.list_models()), or local-dir:PATH"
+        )
 
 
 def _check_model(m: ModelSettings) -> None:

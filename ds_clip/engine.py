@@ -6,14 +6,18 @@ AdamW or CPU Adam under offload, the schedule, the clamp).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from ds_clip.config import TrainSettings
 from ds_clip.ds_config import resolve_ds_config
 from ds_clip.loss import ContrastiveLoss, LossSpec, resolve_impl
-from ds_clip.model import ModelBundle, build_model, param_groups, prepare_for_deepspeed
-from ds_clip.schedule import build_scheduler
+from ds_clip.model import ModelBundle, build_model, prepare_for_deepspeed
+from ds_clip.optim import format_groups, param_groups_for
+from ds_clip.schedule import build_scheduler, schedule_for
+
+logger = logging.getLogger("ds_clip")
 
 
 @dataclass
@@ -62,19 +66,32 @@ def build_model_bundle(s: TrainSettings) -> ModelBundle:
 
 
 def build_engine(
-    s: TrainSettings, bundle: ModelBundle, *, rank: int, world_size: int, total_steps: int
+    s: TrainSettings,
+    bundle: ModelBundle,
+    *,
+    rank: int,
+    world_size: int,
+    total_steps: int,
+    steps_per_epoch: int | None = None,
 ) -> BuiltEngine:
     """DeepSpeed engine and loss for ``bundle.model``; every rank calls it (``deepspeed.initialize`` is a
-    collective). ``total_steps`` is the length of the LR schedule in optimizer steps."""
+    collective). ``total_steps`` is the length of the LR schedule in optimizer steps; ``steps_per_epoch``
+    converts --epochs-cooldown (default: total_steps // --epochs, exact without --max-steps)."""
     import deepspeed
 
     ds_json = resolve_ds_config(s, world_size)
     o, loss = s.optim, s.loss
+    # Per-tower groups, each with its own "lr"/"weight_decay"; the schedule scales each from its own peak.
+    groups, group_table = param_groups_for(bundle.model, o)
+    schedule = schedule_for(o, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
+    if rank == 0:
+        table = format_groups(group_table)
+        logger.info("optimizer parameter groups (peak lr; %s schedule):\n%s", o.lr_scheduler, table)
     engine, *_ = deepspeed.initialize(
         model=bundle.model,
-        model_parameters=param_groups(bundle.model, o.wd),
+        model_parameters=groups,
         config=ds_json,
-        lr_scheduler=lambda opt: build_scheduler(opt, warmup=o.warmup, total=total_steps),
+        lr_scheduler=lambda opt: build_scheduler(opt, schedule),
     )
     if world_size == 1 and engine.zero_optimization_stage() == 0:
         # Alone, DeepSpeed still flattens every gradient into buckets and all-reduces them at engine.step()

@@ -1,0 +1,223 @@
+"""LR schedules (--lr-scheduler cosine | const | const-cooldown): ds_clip's multiplier is open_clip_train's
+scheduler function step by step; the flags are checked; a run of the real trainer interrupted at step 3 and
+resumed with --resume latest logs the LR of the straight run at every step."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds_clip import checkpoint as ck
+from ds_clip.config import parse_settings
+from ds_clip.schedule import SCHEDULES, Schedule, build_scheduler, schedule_for
+from ds_clip.testing import E2E_MODEL, spawn_group
+
+open_clip_scheduler = pytest.importorskip("open_clip_train.scheduler")
+
+BASE_LR = 1e-3
+
+
+def _open_clip_lrs(
+    kind: str, warmup: int, total: int, cooldown: int, power: float, end: float, last: int | None = None
+) -> list[float]:
+    """The LR open_clip_train's own scheduler function assigns at steps 0..last (default total - 1)."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=BASE_LR)
+    if kind == "cosine":
+        adjust = open_clip_scheduler.cosine_lr(opt, BASE_LR, warmup, total)
+    elif kind == "const":
+        adjust = open_clip_scheduler.const_lr(opt, BASE_LR, warmup, total)
+    else:
+        adjust = open_clip_scheduler.const_lr_cooldown(opt, BASE_LR, warmup, total, cooldown, power, end)
+    return [adjust(step) for step in range((total - 1 if last is None else last) + 1)]
+
+
+CASES = [
+    # kind, warmup, total, cooldown steps, power, end lr
+    ("cosine", 0, 10, 0, 1.0, 0.0),
+    ("cosine", 3, 17, 0, 1.0, 0.0),
+    ("const", 0, 10, 0, 1.0, 0.0),
+    ("const", 4, 12, 0, 1.0, 0.0),
+    ("const-cooldown", 0, 12, 4, 1.0, 0.0),
+    ("const-cooldown", 2, 20, 8, 0.5, 1e-4),
+    ("const-cooldown", 3, 20, 5, 2.0, 2.5e-4),
+    ("const-cooldown", 5, 12, 10, 1.0, 0.0),  # the cooldown starts inside the warmup (open_clip's arithmetic)
+]
+
+
+@pytest.mark.parametrize("kind,warmup,total,cooldown,power,end", CASES)
+def test_multiplier_is_open_clip_scheduler_step_by_step(kind, warmup, total, cooldown, power, end):
+    """peak x multiplier(step) is what open_clip's cosine_lr / const_lr / const_lr_cooldown assign, and the
+    LambdaLR DeepSpeed steps puts exactly that into every group, each from its own peak."""
+    expected = _open_clip_lrs(kind, warmup, total, cooldown, power, end)
+    sched = Schedule(
+        kind, warmup=warmup, total=total, cooldown=cooldown, power=power, end_ratio=end / BASE_LR
+    )
+    assert [BASE_LR * sched.multiplier(s) for s in range(total)] == pytest.approx(
+        expected, rel=1e-12, abs=1e-18
+    )
+    peaks = [BASE_LR, 3 * BASE_LR, 0.0]  # per-tower peaks: each group scaled from its own
+    opt = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": p} for p in peaks])
+    lambda_lr = build_scheduler(opt, sched)
+    for step in range(total):
+        for group, peak in zip(opt.param_groups, peaks):
+            assert group["lr"] == pytest.approx(peak / BASE_LR * expected[step], rel=1e-12, abs=1e-18)
+        opt.step()
+        lambda_lr.step()
+
+
+def test_schedule_names_are_the_flag_choices():
+    assert SCHEDULES == ("cosine", "const", "const-cooldown")
+
+
+def test_epochs_cooldown_is_converted_with_steps_per_epoch():
+    """open_clip: cooldown steps = steps per epoch x --epochs-cooldown; the cooldown starts that many steps
+    before the end. Without --max-steps the run's epochs give the steps per epoch."""
+    s = parse_settings(
+        ["--lr-scheduler", "const-cooldown", "--epochs", "4", "--epochs-cooldown", "1", "--lr-cooldown-end",
+         "1e-4", "--lr-cooldown-power", "2", "--lr", "1e-3"]
+    )  # fmt: skip
+    sched = schedule_for(s.optim, total_steps=40)
+    assert (sched.cooldown, sched.total, sched.power, sched.end_ratio) == (10, 40, 2.0, pytest.approx(0.1))
+    assert schedule_for(s.optim, total_steps=40, steps_per_epoch=7).cooldown == 7
+    assert sched.multiplier(29) == 1.0 and sched.multiplier(30) == 1.0 and sched.multiplier(31) < 1.0
+    s = parse_settings(["--lr-scheduler", "const-cooldown", "--epochs-cooldown", "2", "--max-steps", "50"])
+    assert schedule_for(s.optim, total_steps=50, steps_per_epoch=5).cooldown == 10
+
+
+BAD = [
+    (["--epochs-cooldown", "1"], "--epochs-cooldown"),
+    (["--lr-scheduler", "const-cooldown"], "--epochs-cooldown"),
+    (["--lr-scheduler", "const-cooldown", "--epochs-cooldown", "0"], "--epochs-cooldown"),
+    (["--lr-scheduler", "const-cooldown", "--epochs-cooldown", "3", "--epochs", "2"], "--epochs-cooldown"),
+    (
+        ["--lr-scheduler", "const-cooldown", "--epochs-cooldown", "1", "--lr-cooldown-power=-1"],
+        "--lr-cooldown-power",
+    ),  # fmt: skip
+    (
+        ["--lr-scheduler", "const-cooldown", "--epochs-cooldown", "1", "--lr-cooldown-end=-1e-5"],
+        "--lr-cooldown-end",
+    ),  # fmt: skip
+    (
+        [
+            "--lr-scheduler",
+            "const-cooldown",
+            "--epochs-cooldown",
+            "1",
+            "--lr",
+            "1e-4",
+            "--lr-cooldown-end",
+            "1e-3",
+        ],
+        "--lr-cooldown-end",
+    ),  # fmt: skip
+    (["--lr-cooldown-power", "2"], "--lr-cooldown-power"),
+    (["--lr-scheduler", "const", "--lr-cooldown-end", "1e-5"], "--lr-cooldown-end"),
+    (["--lr-scheduler", "linear"], "--lr-scheduler"),
+]
+
+
+@pytest.mark.parametrize("argv,flag", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_schedule_flags_exit_2_naming_the_flag(argv, flag, capsys):
+    from ds_clip.train import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own refusal (an unknown choice)
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert flag in err and "error" in err and "expected one argument" not in err, err
+
+
+# ------------------------------------------------------------------- resume through the real trainer
+
+M, SAMPLES, EPOCHS, STOP_AT = 2, 16, 2, 3  # N = 2 ranks x 2 = 4 pairs a step: 4 steps an epoch, 8 in all
+RESUME_SCHEDULES = {
+    "cosine": ["--lr-scheduler", "cosine", "--warmup", "2"],
+    "const-cooldown": ["--lr-scheduler", "const-cooldown", "--epochs-cooldown", "1", "--warmup", "2",
+                       "--lr-cooldown-power", "2", "--lr-cooldown-end", "1e-4"],
+}  # fmt: skip
+
+
+def _args(model: str, logs: Path, name: str, schedule: list[str]) -> list[str]:
+    # Several groups with their own peaks (--visual-lr, --text-ld): the logged LR is group 0's (--lr).
+    return [
+        "--model", model, "--batch-size", str(M), "--epochs", str(EPOCHS), "--train-num-samples", str(SAMPLES),
+        "--lr", "1e-3", "--visual-lr", "2e-3", "--text-ld", "0.5", "--workers", "0", "--logs", str(logs),
+        "--name", name, "--log-every-n-steps", "1", "--report-to", "csv", "--save-every-n-steps", str(STOP_AT),
+        "--zero-stage", "1", *schedule,
+    ]  # fmt: skip
+
+
+def _train(argv: list[str]) -> None:
+    from ds_clip.trainer import train
+
+    train(parse_settings(argv))
+
+
+def _interrupted_copy(logs: Path, straight: str, name: str) -> None:
+    """The run folder a run stopped right after step 3 leaves: its complete checkpoint of step 3 as the
+    latest, and the metrics it logged up to step 3."""
+    src, dst = logs / straight, logs / name
+    (dst / "checkpoints").mkdir(parents=True)
+    tag = ck.tag_for(STOP_AT)
+    shutil.copytree(src / "checkpoints" / tag, dst / "checkpoints" / tag)
+    (dst / "checkpoints" / ck.POINTER).write_text(tag)
+    lines = (src / "metrics.csv").read_text().splitlines(keepends=True)
+    (dst / "metrics.csv").write_text("".join(lines[: 1 + STOP_AT]))
+
+
+def _group_resume(model: str, logs: Path) -> None:
+    import torch.distributed as dist
+
+    for kind, schedule in RESUME_SCHEDULES.items():
+        _train(_args(model, logs, f"straight-{kind}", schedule))
+        if dist.get_rank() == 0:
+            _interrupted_copy(logs, f"straight-{kind}", f"resumed-{kind}")
+        dist.barrier()
+        _train([*_args(model, logs, f"resumed-{kind}", schedule), "--resume", "latest"])
+
+
+def _rows(run: Path) -> list[dict]:
+    with (run / "metrics.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def resumed_runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("schedule_resume")
+    model_dir = root / "model"
+    model_dir.mkdir()
+    (model_dir / "open_clip_config.json").write_text(
+        json.dumps({"model_cfg": E2E_MODEL, "preprocess_cfg": {}})
+    )
+    logs = root / "logs"
+    spawn_group(2, _group_resume, f"local-dir:{model_dir}", logs)
+    return logs
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(RESUME_SCHEDULES))
+def test_resume_continues_the_schedule_exactly(resumed_runs, kind):
+    """2 ranks, ZeRO-1, 8 optimizer steps (2 epochs of 4): the run resumed (--resume latest) from its
+    checkpoint of step 3 logs at every step the LR of the straight run, which is open_clip's schedule
+    (the LR row of step s is the one the next step trains at: the scheduler has stepped s times), and the
+    same losses."""
+    straight, resumed = _rows(resumed_runs / f"straight-{kind}"), _rows(resumed_runs / f"resumed-{kind}")
+    total = EPOCHS * SAMPLES // (2 * M)
+    assert [int(r["step"]) for r in straight] == list(range(1, total + 1))
+    assert [int(r["step"]) for r in resumed] == list(range(1, total + 1))
+    assert [float(r["lr"]) for r in resumed] == [float(r["lr"]) for r in straight]
+    assert [float(r["loss"]) for r in resumed[STOP_AT:]] == pytest.approx(
+        [float(r["loss"]) for r in straight[STOP_AT:]], rel=1e-6
+    )
+    steps_per_epoch = SAMPLES // (2 * M)
+    cooldown = steps_per_epoch if kind == "const-cooldown" else 0
+    expected = _open_clip_lrs(kind, 2, total, cooldown, 2.0, 1e-4, last=total)
+    assert [float(r["lr"]) for r in straight] == pytest.approx(expected[1:], rel=1e-9, abs=1e-15)
