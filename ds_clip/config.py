@@ -826,29 +826,6 @@ def _check_model(m: ModelSettings) -> None:
         )
 
 
-def _check_model(m: ModelSettings) -> None:
-    if m.model in BUILTIN_MODELS:
-        return
-    if m.model.startswith(LOCAL_DIR_PREFIX):
-        folder = Path(m.model[len(LOCAL_DIR_PREFIX) :]).expanduser()
-        if not (folder / "open_clip_config.json").is_file():
-            raise SettingsError(f"--model {m.model}: {folder / 'open_clip_config.json'} not found")
-        if m.pretrained:
-            # open_clip ignores pretrained= for local-dir: and loads the folder's own weights.
-            raise SettingsError(
-                f"--pretrained is ignored with --model {m.model}: put the weights in that folder "
-                "(open_clip_model.safetensors) instead"
-            )
-        return
-    import open_clip  # only for names we do not know ourselves (a few seconds)
-
-    if m.model not in open_clip.list_models():
-        raise SettingsError(
-            f"--model {m.model!r} is unknown: use {', '.join(BUILTIN_MODELS)}, an open_clip model name "
-            "(open_clip.list_models()), or local-dir:PATH"
-        )
-
-
 def check_model_flags(m: ModelSettings) -> None:
     """The locking, image and augmentation flags: ranges, and each sub-flag only with its main flag. (What
     depends on the tower, e.g. unlocked groups of a ResNet, open_clip refuses when the model is built.)"""
