@@ -213,12 +213,14 @@ def _losses(run_dir: Path) -> dict[int, str]:
 
 def _rank_processes(launcher_pid: int) -> list[psutil.Process]:
     # The deepspeed launcher starts `python -u -m ds_clip.train --local_rank=N ...` for each rank.
+    # Their DataLoader workers are forked from them and share the command line: keep only the ranks.
     found = []
     for p in psutil.Process(launcher_pid).children(recursive=True):
         with contextlib.suppress(psutil.Error):
             if any(a.startswith("--local_rank") for a in p.cmdline()):
                 found.append(p)
-    return found
+    pids = {p.pid for p in found}
+    return [p for p in found if p.ppid() not in pids]
 
 
 def _preempt(args: list[str], sig: signal.Signals, at_line: str) -> tuple[int, str]:
