@@ -1,4 +1,4 @@
-"""open_clip models made ready for a DeepSpeed engine, and open_clip's parameter groups.
+"""open_clip models made ready for a DeepSpeed engine (their optimizer groups: ds_clip.optim).
 
 Everything model-shaped comes from open_clip (architectures, tokenizers, transforms); this module only
 adds what DeepSpeed 0.19.x needs to hold an open_clip model correctly:
@@ -218,16 +218,3 @@ def _copy_parameter_outputs(module: nn.Module, args: Any, output: Any) -> Any:
     if isinstance(output, dict):
         return {k: (v * 1 if isinstance(v, nn.Parameter) else v) for k, v in output.items()}
     return output
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """open_clip's rule: no weight decay on gains, biases, norms and ``logit_scale``/``logit_bias``."""
-
-    def no_decay(name: str, p: torch.Tensor) -> bool:
-        return p.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
-
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return [
-        {"params": [p for n, p in named if no_decay(n, p)], "weight_decay": 0.0},
-        {"params": [p for n, p in named if not no_decay(n, p)], "weight_decay": weight_decay},
-    ]
