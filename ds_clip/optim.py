@@ -13,8 +13,9 @@ Layer-wise decay (EVA-CLIP's ``LayerDecayValueAssigner``): a tower of L blocks h
 embeddings (patch/token embedding, class token, positional embedding, ln_pre) are layer 0, block i (0-based)
 is layer i+1, everything after the blocks (final norm, pooling, projection/head) is layer L+1; layer l
 trains at ``tower_lr * ld ** (L + 1 - l)``, so the head keeps the tower's LR and each step down multiplies
-it by ld. open_clip's no-decay rule (gains, biases, norms, logit_scale/bias get weight decay 0) holds in
-every group. Groups with equal (lr, weight decay) are merged, so the defaults build exactly open_clip's two
+it by ld. (EVA-CLIP's layer-0 list names its own towers' parameters: open_clip's ``class_embedding`` and
+``ln_pre`` would be layer L+1 there; here they are embeddings, as in open_clip's lock groups.) open_clip's
+no-decay rule (gains, biases, norms, logit_scale/bias get weight decay 0) holds in every group. Groups with equal (lr, weight decay) are merged, so the defaults build exactly open_clip's two
 groups (no decay, decay) in parameter order, as before these flags existed.
 
 Each group is a dict with its own "lr" and "weight_decay": DeepSpeed passes ``model_parameters`` to the
