@@ -163,7 +163,7 @@ def _resolve(s: TrainSettings, world_size: int | None) -> dict[str, Any]:
     # --- optimizer: AdamW from the flags; the schedule is ds_clip's own (cosine, linear warmup). ---
     if "scheduler" in cfg:
         raise SettingsError(
-            f"scheduler in {label}: ds_clip runs its own cosine schedule with linear warmup (--lr, --warmup); "
+            f"scheduler in {label}: ds_clip runs its own LR schedule (--lr-scheduler, --lr, --warmup); "
             "remove the scheduler section"
         )
     cpu_optimizer = offload_opt in ("cpu", "nvme")

@@ -136,7 +136,10 @@ class Trainer:
             accum_freq=o.accum_freq,
         )
         self.total_steps = o.max_steps or o.epochs * self.data.steps_per_epoch
-        built = build_engine(s, bundle, rank=info.rank, world_size=w, total_steps=self.total_steps)
+        built = build_engine(
+            s, bundle, rank=info.rank, world_size=w, total_steps=self.total_steps,
+            steps_per_epoch=self.data.steps_per_epoch,
+        )  # fmt: skip
         self.engine, self.loss_fn = built.engine, built.loss_fn
 
         import open_clip
