@@ -18,6 +18,9 @@ Phases, for k micro-batches of m pairs on each of W ranks (N = W·k·m):
    their RNG state restored). The logit_scale / logit_bias term is added once per step, to
    micro-batch 0's surrogate. Then one ``engine.step()``.
 
+A fully locked tower (``--lock-image`` / ``--lock-text``: no parameter of it trainable) is embedded in phase 1
+only; phase 3 runs just the other tower, with the RNG stream it had in phase 1.
+
 Host syncs (GPU -> CPU waits) per optimizer step, whatever k is: one when W > 1 to agree on the
 micro-batch sizes before the loss's all-gather, one to agree on finiteness before any backward. Nothing
 per micro-batch; the loss and logit_scale stay on the device in ``StepResult`` until the loop logs them.
