@@ -14,7 +14,7 @@ precision come from flags, and `ds_clip.ds_config.resolve_ds_config` refuses a p
 
 Validation (`validate`) is one pass, cheap, and imports neither deepspeed nor torch.distributed, so a bad
 flag fails in a second, before any process group starts. `open_clip` is imported only to check an unknown
-`--model` name.
+`--model` name or the keys of `--aug-cfg`.
 """
 
 from __future__ import annotations
