@@ -40,6 +40,12 @@ def consolidated_state_dict(path: Path) -> dict[str, torch.Tensor]:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
+        # ZeRO-1's consolidation returns only the optimizer's parameters: frozen ones (--lock-image) are
+        # whole in the model-state file (ZeRO-2/3 save them as frozen fragments, which it does read).
+        model_states = path / "mp_rank_00_model_states.pt"
+        if model_states.exists():
+            for k, v in (safe_load(model_states, flag="checkpoint").get("module") or {}).items():
+                state.setdefault(k, v)
     else:
         files = sorted(path.glob("mp_rank_00_model_states.pt"))
         if not files:

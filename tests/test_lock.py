@@ -240,7 +240,7 @@ def test_locked_parameters_never_change_and_hold_no_optimizer_state(case, engine
 
 # ----------------------------------------------------------------------------- through the real trainer
 
-TRAINER_STAGES = (2, 3)  # ZeRO-1 export of a locked run: see the README's known gap
+TRAINER_STAGES = (1, 2, 3)
 
 
 def _lit_trainer_runs(model: str, logs: str) -> None:
@@ -252,7 +252,7 @@ def _lit_trainer_runs(model: str, logs: str) -> None:
     for zero in TRAINER_STAGES:
         common = [
             "--model", model, "--lock-image", "--batch-size", "2", "--accum-freq", "2", "--zero-stage", str(zero),
-            "--lr", "1e-3", "--eps", "1e-4", "--warmup", "1", "--workers", "0", "--train-num-samples", "64",
+            "--lr", "1e-3", "--eps", "1e-4", "--warmup", "1", "--workers", "1", "--train-num-samples", "64",
             "--logs", logs, "--log-every-n-steps", "3", "--save-every-n-steps", "2",
         ]  # fmt: skip
         train(parse_settings([*common, "--max-steps", "3", "--name", f"lit_z{zero}"]))
