@@ -29,6 +29,7 @@ from ds_clip.data.loader import DataSettings, build_train_data
 from ds_clip.data.synthetic import SyntheticCaptions, render_pair
 from ds_clip.data.wds import SkipCounter, expand_urls, iter_shard
 from ds_clip.shards import Sample, write_shards
+from tests.data.tokens import byte_tokenizer, detok
 
 SIZE = 32  # transform output; synthetic pairs are rendered at 64 px, so every crop is a real resample
 TIMM_AUG = {"use_timm": True, "scale": (0.5, 1.0), "color_jitter": 0.4, "re_prob": 0.5}
@@ -47,19 +48,6 @@ TRANSFORMS = {
     "timm_randaugment": lambda: create_transform(SIZE, is_training=True, auto_augment="rand-m9-n2-mstd0.5"),
 }
 LOADER_TRANSFORMS = ["open_clip_default", "open_clip_timm_aug"]
-
-
-def byte_tokenizer(texts: list[str]) -> torch.Tensor:
-    """Reversible stand-in for a tokenizer (tokenizing draws nothing): UTF-8 bytes, zero padded to 16."""
-    out = torch.zeros(len(texts), 16, dtype=torch.long)
-    for i, text in enumerate(texts):
-        data = text.encode()[:16]
-        out[i, : len(data)] = torch.tensor(list(data))
-    return out
-
-
-def detok(tokens: torch.Tensor) -> str:
-    return bytes(x for x in tokens.tolist() if x).decode()
 
 
 def rng_states():

@@ -18,20 +18,9 @@ from ds_clip.data.loader import DataSettings, build_train_data
 from ds_clip.data.synthetic import render_pair
 from ds_clip.data.wds import SkipCounter, iter_shard
 from ds_clip.shards import main
+from tests.data.tokens import byte_tokenizer, detok
 
 TO_TENSOR = T.ToTensor()
-
-
-def byte_tokenizer(texts: list[str]) -> torch.Tensor:
-    out = torch.zeros(len(texts), 64, dtype=torch.long)
-    for i, text in enumerate(texts):
-        data = text.encode()[:64]
-        out[i, : len(data)] = torch.tensor(list(data))
-    return out
-
-
-def detok(tokens: torch.Tensor) -> str:
-    return bytes(x for x in tokens.tolist() if x).decode()
 
 
 def encoded(colour: tuple[int, int, int], fmt: str) -> bytes:

@@ -16,21 +16,9 @@ import torchvision.transforms as T
 
 from ds_clip.data.loader import DataError, DataSettings, build_train_data
 from ds_clip.data.synthetic import SyntheticCaptions, render_pair
+from tests.data.tokens import byte_tokenizer, detok
 
 PREPROCESS = T.Compose([T.Resize((16, 16)), T.ToTensor()])
-
-
-def byte_tokenizer(texts: list[str]) -> torch.Tensor:
-    """Reversible stand-in for a tokenizer: UTF-8 bytes, zero padded to 96."""
-    out = torch.zeros(len(texts), 96, dtype=torch.long)
-    for i, text in enumerate(texts):
-        data = text.encode()[:96]
-        out[i, : len(data)] = torch.tensor(list(data))
-    return out
-
-
-def detok(tokens: torch.Tensor) -> str:
-    return bytes(x for x in tokens.tolist() if x).decode()
 
 
 def steps_by_g(world_size: int, accum_freq: int, m: int, samples: int, workers: int = 0, epoch: int = 0):

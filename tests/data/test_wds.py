@@ -15,28 +15,15 @@ import os
 from collections import Counter
 
 import pytest
-import torch
 import torchvision.transforms as T
 import webdataset as wds
 from PIL import Image
 
 from ds_clip.data.loader import DataError, DataSettings, build_train_data
 from ds_clip.shards import Sample, write_shards
+from tests.data.tokens import byte_tokenizer, detok
 
 PREPROCESS = T.Compose([T.Resize((8, 8)), T.ToTensor()])
-
-
-def byte_tokenizer(texts: list[str]) -> torch.Tensor:
-    """Reversible stand-in for a tokenizer: UTF-8 bytes, zero padded to 32."""
-    out = torch.zeros(len(texts), 32, dtype=torch.long)
-    for i, text in enumerate(texts):
-        data = text.encode()[:32]
-        out[i, : len(data)] = torch.tensor(list(data))
-    return out
-
-
-def detok(tokens: torch.Tensor) -> str:
-    return bytes(x for x in tokens.tolist() if x).decode()
 
 
 def png(i: int) -> bytes:
