@@ -298,6 +298,8 @@ class LossSettings:
     loss_impl: str = opt("auto", choices=LOSS_IMPLS, open_clip="ds_clip only")
     """"dense" (whole logit matrix in memory), "tiled" (blocks of it, O(tile*N) memory) or "auto": tiled
     from a global batch of 8192 pairs on, where it is also the faster one (docs/loss.md), dense below."""
+    loss_tile_size: int = opt(4096, metavar="PAIRS", unit="pairs", open_clip="ds_clip only")
+    """Rows and columns of one block of the logit matrix in the tiled loss: memory grows as tile x N."""
 
 
 @dataclass
@@ -728,6 +730,7 @@ def validate(s: TrainSettings) -> None:
     _check_min("max_skipped_steps", o.max_skipped_steps, 1)
     # loss
     _check_choice("loss_impl", s.loss.loss_impl)
+    _check_min("loss_tile_size", s.loss.loss_tile_size, 1)
     _need(
         not s.loss.local_loss or s.loss.gather_with_grad,
         "--local-loss without --gather-with-grad does not give the full-batch gradient (each rank would "

@@ -104,6 +104,7 @@ def build_engine(
             local_loss=loss.local_loss,
             gather_with_grad=loss.gather_with_grad,
             impl=resolve_impl(loss.loss_impl, world_size * o.accum_freq * o.batch_size),
+            tile_size=loss.loss_tile_size,
         ),
         rank=rank,
         world_size=world_size,

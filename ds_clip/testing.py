@@ -169,6 +169,7 @@ def train_argv(spec: RunSpec, preset_dir: str | None = None) -> list[str]:
         "--ds-config", preset, "--zero-stage", str(spec.zero_stage), "--precision", spec.precision,
         "--lr", repr(spec.lr), "--eps", repr(spec.eps), "--beta1", "0.9", "--beta2", "0.98", "--wd", "0",
         "--warmup", "0", "--seed", str(spec.seed), "--workers", "0", "--loss-impl", spec.loss.impl,
+        "--loss-tile-size", str(spec.loss.tile_size),
     ]  # fmt: skip
     if spec.loss.siglip:
         argv.append("--siglip")
@@ -282,9 +283,6 @@ def run_in_group(spec: RunSpec) -> RunResult:
             settings, bundle, rank=rank, world_size=world_size, total_steps=FLAT_SCHEDULE_STEPS
         )
     engine, loss_fn = built.engine, built.loss_fn
-    if spec.loss.tile_size != LossSpec().tile_size:
-        # No flag sets the tile size; a small tile makes an 8-pair test batch span several tiles.
-        loss_fn.spec = dataclasses.replace(loss_fn.spec, tile_size=spec.loss.tile_size)
     probe = _GradProbe(engine) if spec.capture_grads else None
     engine.train()
     losses, per_step_ops, skipped = [], [], []

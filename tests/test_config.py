@@ -572,3 +572,11 @@ def test_launch_scripts_pass_flags_through_and_parse(script):
     text = path.read_text()
     assert text.splitlines()[1].startswith("# Runs: ") and '"$@"' in text and "ds_clip.train" in text
     subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+def test_loss_tile_size_reaches_the_built_loss_and_refuses_zero():
+    """--loss-tile-size is the tile of the loss ds_clip.engine builds (what the equivalence matrix's tiled
+    cases set to 3 so an 8-pair batch spans several tiles); 0 is refused naming the flag."""
+    assert parse_settings(["--loss-tile-size", "3"]).loss.loss_tile_size == 3
+    with pytest.raises(SettingsError, match="--loss-tile-size"):
+        parse_settings(["--loss-tile-size", "0"])
