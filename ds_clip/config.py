@@ -391,6 +391,11 @@ class DistSettings:
         open_clip="differs: fp32, bf16, fp16 through DeepSpeed (open_clip: amp, amp_bf16, pure_bf16...)",
     )
     """DeepSpeed mixed precision: "fp32", "bf16" or "fp16" (dynamic loss scaling)."""
+    coalesce_grad_reduction: str = opt("off", choices=("auto", "on", "off"), open_clip="ds_clip only")
+    """One gradient reduction per optimizer step on ZeRO 1-3 (DeepSpeed's engine.coalesce_grad_reduction()
+    around the k backward passes): "on" (refused where DeepSpeed does not allow it: ZeRO-0, a BF16/FP16
+    optimizer wrapper, a preset with managed_gradient_accumulation false), "auto" (on where allowed, else
+    logged once and off), "off" (ZeRO-2/3 reduce after every micro-batch, keeping gradients partitioned)."""
     dist_timeout: float = opt(1800.0, metavar="SECONDS", unit="seconds", open_clip="ds_clip only")
     """How long a collective waits for the other ranks before this rank fails (a dead rank)."""
     local_rank: int = opt(-1, flag="--local_rank", aliases=("--local-rank",), hidden=True)
@@ -738,6 +743,8 @@ def validate(s: TrainSettings) -> None:
     )
     # dist
     _check_choice("precision", dist.precision)
+    # Whether DeepSpeed allows it (stage, optimizer wrapper, preset) is decided with the preset, in ds_config.
+    _check_choice("coalesce_grad_reduction", dist.coalesce_grad_reduction)
     _need(
         dist.zero_stage is None or dist.zero_stage in (0, 1, 2, 3),
         f"--zero-stage must be 0, 1, 2 or 3, got {dist.zero_stage}",

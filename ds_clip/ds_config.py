@@ -24,6 +24,13 @@ if TYPE_CHECKING:  # duck-typed: ds_clip.config imports this module to check the
 # ZeRO-1/2 and global_samples advances by k*m*W per step.
 STEP_ENGINE_KEYS: dict[str, Any] = {"managed_gradient_accumulation": False}
 
+# --coalesce-grad-reduction on (or auto where DeepSpeed allows it): the step wraps its k backward passes in
+# engine.coalesce_grad_reduction(), which DeepSpeed allows only with managed accumulation on. Inside the
+# block no backward reduces (nor counts as a boundary: the hooks return early), the exit reduces once, and
+# engine.step() outside it is the one update; ds_clip.step adds the k-1 micro-batches' samples that managed
+# mode leaves out of global_samples.
+COALESCE_ENGINE_KEYS: dict[str, Any] = {"managed_gradient_accumulation": True}
+
 # Keys that change what a gradient means; a preset may only repeat the value the step expects
 # (STEP_ENGINE_KEYS' value when it sets one, else DeepSpeed's default, which the step assumes).
 _GRADIENT_MEANING_DEFAULTS: dict[str, Any] = {
@@ -73,7 +80,42 @@ def _merge_step_keys(cfg: dict[str, Any], required: dict[str, Any], label: str, 
         cfg[key] = copy.deepcopy(value)
 
 
-def _resolve(s: TrainSettings, world_size: int | None) -> dict[str, Any]:
+def _coalesce_blocker(
+    cfg: dict[str, Any], stage: int, precision: str, offload_opt: str, label: str
+) -> str | None:
+    """Why DeepSpeed 0.19.8's engine.coalesce_grad_reduction() would refuse this engine, or None.
+
+    It needs a ZeRO 1-3 optimizer (DeepSpeedZeroOptimizer / _Stage3: the classes with the coalescing hooks)
+    and managed accumulation. DeepSpeed picks BF16_Optimizer instead on ZeRO-1 with bf16 weights, fp32
+    gradient accumulation (data_types.grad_accum_dtype) and no optimizer offload
+    (engine._do_optimizer_sanity_check): that wrapper raises NotImplementedError.
+    """
+    if stage == 0:
+        return (
+            "ZeRO stage 0 has no ZeRO optimizer, and DeepSpeed coalesces on ZeRO 1-3 only "
+            "(ZeRO-0 reduces once per step anyway)"
+        )
+    if "managed_gradient_accumulation" in cfg and not _same(cfg["managed_gradient_accumulation"], True):
+        return (
+            f"managed_gradient_accumulation={_js(cfg['managed_gradient_accumulation'])} in {label}: "
+            "DeepSpeed coalesces only under its managed accumulation"
+        )
+    data_types = cfg.get("data_types") or {}
+    accum = str(data_types.get("grad_accum_dtype", "")).lower() if isinstance(data_types, dict) else ""
+    if stage == 1 and precision == "bf16" and offload_opt == "none" and accum in _FP32_NAMES:
+        return (
+            f"data_types.grad_accum_dtype={_js(data_types['grad_accum_dtype'])} in {label} with bf16 on ZeRO-1 "
+            "makes DeepSpeed wrap the optimizer in BF16_Optimizer, which coalesce_grad_reduction rejects"
+        )
+    return None
+
+
+# DeepSpeed's DtypeEnum spellings of fp32.
+_FP32_NAMES = ("fp32", "float32", "float", "torch.float32")
+
+
+def _resolve(s: TrainSettings, world_size: int | None) -> tuple[dict[str, Any], str | None]:
+    """The resolved JSON, and why --coalesce-grad-reduction auto fell back to off (None otherwise)."""
     o, dist = s.optim, s.dist
     preset = dist.ds_config or f"zero1_{dist.precision}"
     label = preset_label(preset)
@@ -204,11 +246,20 @@ def _resolve(s: TrainSettings, world_size: int | None) -> dict[str, Any]:
         params.setdefault("torch_adam", True)
     cfg["optimizer"] = {"type": "AdamW", "params": params}
 
+    # --- one gradient reduction per step (--coalesce-grad-reduction): decided here, with the preset. ---
+    mode = dist.coalesce_grad_reduction
+    blocker = None if mode == "off" else _coalesce_blocker(cfg, stage, dist.precision, offload_opt, label)
+    if mode == "on" and blocker is not None:
+        raise SettingsError(f"--coalesce-grad-reduction on: {blocker}; use off or auto")
+    required = dict(STEP_ENGINE_KEYS)
+    if mode != "off" and blocker is None:
+        required.update(COALESCE_ENGINE_KEYS)
+
     # --- keys the accumulation step relies on ---
     for key, expected in _GRADIENT_MEANING_DEFAULTS.items():
-        if key not in STEP_ENGINE_KEYS and key in cfg and not _same(cfg[key], expected):
+        if key not in required and key in cfg and not _same(cfg[key], expected):
             raise _step_conflict(key, cfg[key], label, expected)
-    _merge_step_keys(cfg, STEP_ENGINE_KEYS, label)
+    _merge_step_keys(cfg, required, label)
 
     if world_size is not None:
         cfg["train_micro_batch_size_per_gpu"] = m
@@ -217,7 +268,7 @@ def _resolve(s: TrainSettings, world_size: int | None) -> dict[str, Any]:
     cfg.setdefault("steps_per_print", STEPS_PER_PRINT)  # a preset may ask for DeepSpeed's prints
     cfg.setdefault("wall_clock_breakdown", False)  # a preset may ask for DeepSpeed's timers
     cfg["zero_allow_untested_optimizer"] = True  # torch AdamW under ZeRO is "untested" to DeepSpeed
-    return cfg
+    return cfg, (blocker if mode == "auto" else None)
 
 
 def check_preset(s: TrainSettings) -> None:
@@ -228,6 +279,11 @@ def check_preset(s: TrainSettings) -> None:
     _resolve(s, world_size=None)
 
 
+def coalesce_fallback(s: TrainSettings) -> str | None:
+    """Why ``--coalesce-grad-reduction auto`` runs without coalescing here (for one log line), else None."""
+    return _resolve(s, world_size=None)[1]
+
+
 def resolve_ds_config(s: TrainSettings, world_size: int) -> dict[str, Any]:
     """The DeepSpeed config for `deepspeed.initialize(config=...)`: preset engine settings + flags.
 
@@ -236,7 +292,7 @@ def resolve_ds_config(s: TrainSettings, world_size: int) -> dict[str, Any]:
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    return _resolve(s, world_size)
+    return _resolve(s, world_size)[0]
 
 
 def write_run_files(run_dir: Path, settings: dict[str, Any], ds_json: dict[str, Any]) -> None:
@@ -250,8 +306,10 @@ def write_run_files(run_dir: Path, settings: dict[str, Any], ds_json: dict[str, 
 
 __all__ = [
     "PRESET_DIR",  # re-exported from ds_clip.presets, where the preset files are found
+    "COALESCE_ENGINE_KEYS",
     "STEP_ENGINE_KEYS",
     "check_preset",
+    "coalesce_fallback",
     "list_presets",
     "load_preset",
     "preset_label",

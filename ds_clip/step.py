@@ -5,6 +5,12 @@ The engine runs with ``gradient_accumulation_steps=1`` and ``managed_gradient_ac
 is the one accumulation boundary, so DeepSpeed neither drops earlier micro-batches (the ZeRO-1/2
 trap in the facts note) nor miscounts samples (``global_samples`` advances by k·m·W).
 
+With ``--coalesce-grad-reduction`` on (ZeRO 1-3) the config turns managed accumulation on instead
+(``ds_config.COALESCE_ENGINE_KEYS``) and phase 3's k backward passes run inside DeepSpeed's
+``engine.coalesce_grad_reduction()``: each backward leaves its gradient on the parameters, the block's exit
+reduces the sum once, and ``engine.step()`` (outside the block, as DeepSpeed requires) applies it. One
+gradient reduction per step on ZeRO-2/3 too, at the price of holding the full gradient between backwards.
+
 Phases, for k micro-batches of m pairs on each of W ranks (N = W·k·m):
 
 1. Embed. Micro-batch 0 runs forward *with* grad and keeps its graph (it is never recomputed, so
@@ -261,32 +267,39 @@ def cached_step(
     g_scalars = [g * result.scalar_grad_coef for g in grads[2:]]
 
     # Phase 3: push the embedding gradients back through the encoders, then step once.
-    for j in range(k if recompute else 1):
-        if j == 0:
-            out = out0
-        else:
-            _set_rng_state(rng_states[j], device)
-            inputs = on_device(j)
-            if skipped == "image":
-                inputs = {"text": inputs["text"]}
-            elif skipped == "text":
-                inputs = {"image": inputs["image"]}
-            out = engine(**inputs)
-        surrogate = torch.zeros((), device=device)
-        if not image_frozen:
-            surrogate = surrogate + _dot(out["image_features"], g_images[j])
-        if not text_frozen:
-            surrogate = surrogate + _dot(out["text_features"], g_texts[j])
-        if j == 0:
-            # logit_scale (and logit_bias) enter exactly once per step.
-            surrogate = surrogate + _dot(out["logit_scale"], g_scalars[0])
-            if len(g_scalars) > 1:
-                surrogate = surrogate + _dot(out["logit_bias"], g_scalars[1])
-        engine.backward(surrogate)
-        del out, surrogate
+    # Managed accumulation is on only when the resolved config coalesces (ds_config); then the k backwards
+    # run in one coalescing block (no reduction inside, one on exit) and step() follows outside it.
+    coalesce = engine.managed_gradient_accumulation()
+    with engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext():
+        for j in range(k if recompute else 1):
+            if j == 0:
+                out = out0
+            else:
+                _set_rng_state(rng_states[j], device)
+                inputs = on_device(j)
+                if skipped == "image":
+                    inputs = {"text": inputs["text"]}
+                elif skipped == "text":
+                    inputs = {"image": inputs["image"]}
+                out = engine(**inputs)
+            surrogate = torch.zeros((), device=device)
+            if not image_frozen:
+                surrogate = surrogate + _dot(out["image_features"], g_images[j])
+            if not text_frozen:
+                surrogate = surrogate + _dot(out["text_features"], g_texts[j])
+            if j == 0:
+                # logit_scale (and logit_bias) enter exactly once per step.
+                surrogate = surrogate + _dot(out["logit_scale"], g_scalars[0])
+                if len(g_scalars) > 1:
+                    surrogate = surrogate + _dot(out["logit_bias"], g_scalars[1])
+            engine.backward(surrogate)
+            del out, surrogate
     del out0
     _set_rng_state(rng_after_embed, device)
     engine.step()
+    if coalesce:
+        # Managed mode counts train_batch_size = m·W samples per step(); this step trained k·m·W.
+        engine.global_samples += (k - 1) * engine.train_batch_size()
     # False only when DeepSpeed's fp16 loss scaler found an overflow and skipped the update (and, as for
     # ds_clip's own skip above, did not advance the LR scheduler). A Python bool: no host sync.
     applied = engine.was_step_applied()

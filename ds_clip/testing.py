@@ -57,6 +57,8 @@ class RunSpec:
     """(step, rank): feed NaN images to that rank's first micro-batch at that step (fault tests)."""
     count_collectives: bool = False
     """Count DeepSpeed collectives per step with DeepSpeed's comms logger."""
+    coalesce: str = "off"
+    """--coalesce-grad-reduction: "on" reduces gradients once per step on ZeRO 1-3."""
     lock_image: bool = False
     """--lock-image (LiT): the image tower frozen, as open_clip locks it."""
     lock_text: bool = False
@@ -170,6 +172,7 @@ def train_argv(spec: RunSpec, preset_dir: str | None = None) -> list[str]:
         "--lr", repr(spec.lr), "--eps", repr(spec.eps), "--beta1", "0.9", "--beta2", "0.98", "--wd", "0",
         "--warmup", "0", "--seed", str(spec.seed), "--workers", "0", "--loss-impl", spec.loss.impl,
         "--loss-tile-size", str(spec.loss.tile_size),
+        "--coalesce-grad-reduction", spec.coalesce,
     ]  # fmt: skip
     if spec.loss.siglip:
         argv.append("--siglip")
@@ -547,6 +550,8 @@ class Case:
     offload: bool = False
     grad_checkpointing: bool = False
     lock_image: bool = False
+    coalesce: bool = False
+    """--coalesce-grad-reduction on: one gradient reduction per step (ZeRO 1-3)."""
 
     @property
     def name(self) -> str:
@@ -557,6 +562,7 @@ class Case:
             loss += "-tiled"
         extra = ("-offload" if self.offload else "") + ("-ckpt" if self.grad_checkpointing else "")
         extra += "-lock-image" if self.lock_image else ""
+        extra += "-coalesce" if self.coalesce else ""
         return f"{self.model}-z{self.zero_stage}-{self.precision}-{loss}{extra}"
 
 
@@ -580,6 +586,8 @@ def _matrix() -> list[Case]:
     cases += [Case("resnet_bn", stage, "fp32", GLOBAL) for stage in (0, 2)]
     # LiT: a pretrained image tower locked (not recomputed in phase 3), the text tower trained.
     cases += [Case("lit", stage, "fp32", GLOBAL, lock_image=True) for stage in (1, 3)]
+    # One gradient reduction per step (engine.coalesce_grad_reduction() around the k backwards).
+    cases += [Case("vit", stage, "fp32", GLOBAL, coalesce=True) for stage in (1, 2, 3)]
     return cases
 
 
@@ -609,6 +617,7 @@ def spec_for(case: Case, models: dict[str, str], k: int) -> RunSpec:
         loss=case.loss,
         grad_checkpointing=case.grad_checkpointing,
         lock_image=case.lock_image,
+        coalesce="on" if case.coalesce else "off",
         capture_grads=True,
         name=case.name,
         **ADAM,

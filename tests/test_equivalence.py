@@ -32,11 +32,17 @@ from ds_clip.testing import (
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-# Collective counts: one extra short run per stage and k, without the gradient probe.
+# Collective counts: one extra short run per stage, k and --coalesce-grad-reduction, without the probe.
 COUNT_KS = (1, 4)
+# ZeRO stages where DeepSpeed allows engine.coalesce_grad_reduction() (ZeRO-0 is refused).
+COALESCE_STAGES = (1, 2, 3)
 
 
-def _count_spec(models: dict[str, str], stage: int, k: int) -> RunSpec:
+def _count_name(stage: int, k: int, coalesce: bool) -> str:
+    return f"count-z{stage}-k{k}" + ("-coalesce" if coalesce else "")
+
+
+def _count_spec(models: dict[str, str], stage: int, k: int, coalesce: bool = False) -> RunSpec:
     return RunSpec(
         model=models["vit"],
         micro_batch_size=M,
@@ -44,8 +50,16 @@ def _count_spec(models: dict[str, str], stage: int, k: int) -> RunSpec:
         steps=2,
         zero_stage=stage,
         count_collectives=True,
-        name=f"count-z{stage}-k{k}",
+        coalesce="on" if coalesce else "off",
+        name=_count_name(stage, k, coalesce),
     )
+
+
+def _count_specs(models: dict[str, str], stage: int) -> list[RunSpec]:
+    specs = [_count_spec(models, stage, k) for k in COUNT_KS]
+    if stage in COALESCE_STAGES:
+        specs += [_count_spec(models, stage, k, coalesce=True) for k in COUNT_KS]
+    return specs
 
 
 @pytest.fixture(scope="module")
@@ -53,19 +67,47 @@ def models(tmp_path_factory) -> dict[str, str]:
     return write_model_dirs(tmp_path_factory.mktemp("models"))
 
 
+def _runs_read(request) -> set[str] | None:
+    """Names of the runs the selected tests of this module read, or None for all of them: running a subset
+    (``-k coalesce``, one case id) trains only what it checks, and starts the 4-rank group only when a
+    case-parametrized test is selected."""
+    names: set[str] = set()
+    for item in request.session.items:
+        if item.module is not request.module:
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        test = item.originalname
+        if "case" in params:
+            names.add(params["case"].name)
+        elif test == "test_gradient_reductions_per_step":
+            names |= {spec.name for spec in _count_specs({"vit": ""}, params["stage"])}
+        elif test == "test_batchnorm_running_stats_count_each_sample_once":
+            names.add(f"bn-z{params['stage']}")
+        elif test == "test_non_finite_step_is_skipped_on_every_rank":
+            names |= {spec.name for spec in _nan_specs({"vit": ""}, params["stage"])}
+        else:
+            return None
+    return names
+
+
 @pytest.fixture(scope="module")
-def runs(models):
-    """{(name, W): RunResult} for every case on 2 ranks x k=2 and 4 ranks x k=1."""
+def runs(models, request):
+    """{(name, W): RunResult} for every case on 2 ranks x k=2 and 4 ranks x k=1 (those the selected tests
+    read)."""
     w2_specs = [spec_for(c, models, k=2) for c in CASES]
-    w2_specs += [_count_spec(models, s, k) for s in range(4) for k in COUNT_KS]
+    w2_specs += [spec for s in range(4) for spec in _count_specs(models, s)]
     w2_specs += [_bn_spec(models, s) for s in (0, 2)]
     w2_specs += [spec for s in NAN_STAGES for spec in _nan_specs(models, s)]
     w4_specs = [spec_for(c, models, k=1) for c in CASES]
+    wanted = _runs_read(request)
+    if wanted is not None:
+        w2_specs = [s for s in w2_specs if s.name in wanted]
+        w4_specs = [s for s in w4_specs if s.name in wanted]
     out = {}
-    for r in spawn_group(2, run_many, w2_specs):
-        out[(r.spec.name, 2)] = r
-    for r in spawn_group(4, run_many, w4_specs):
-        out[(r.spec.name, 4)] = r
+    for world_size, specs in ((2, w2_specs), (4, w4_specs)):
+        if specs:
+            for r in spawn_group(world_size, run_many, specs):
+                out[(r.spec.name, world_size)] = r
     return out
 
 
@@ -211,11 +253,15 @@ def test_gradient_reductions_per_step(stage, runs):
     """Gradient reduction passes per optimizer step (DeepSpeed's comms logger, W=2, k=1 and k=4):
     ZeRO-0 and ZeRO-1 reduce once per step whatever k (engine.step() is the only boundary); ZeRO-2
     and ZeRO-3 keep gradients partitioned between backward passes, so they reduce once per
-    micro-batch."""
+    micro-batch. With --coalesce-grad-reduction on (ZeRO 1-3: DeepSpeed's coalesce_grad_reduction() around
+    the k backwards) every stage reduces once per step, whatever k."""
     for k in COUNT_KS:
-        result = runs[(f"count-z{stage}-k{k}", 2)]
+        result = runs[(_count_name(stage, k, coalesce=False), 2)]
         expected = 1 if stage < 2 else k
         assert result.gradient_reduction_passes() == pytest.approx(expected, rel=1e-3), result.collectives
+        if stage in COALESCE_STAGES:
+            coalesced = runs[(_count_name(stage, k, coalesce=True), 2)]
+            assert coalesced.gradient_reduction_passes() == pytest.approx(1, rel=1e-3), coalesced.collectives
 
 
 NAN_STAGES = (0, 2, 3)
