@@ -5,12 +5,15 @@ One 2-rank process group runs every case (a DeepSpeed start costs seconds here):
   every rank before the loss's all-gather (gloo would abort inside the collective, NCCL hang);
 - host syncs per optimizer step: the same small number for k = 1, 2, 4 (none per micro-batch);
 - an fp16 overflow that DeepSpeed's loss scaler skips is reported as skipped, with the LR schedule held
-  (where DeepSpeed runs fp16 on this device).
+  (where DeepSpeed runs fp16 on this device);
+- --coalesce-grad-reduction: refused (exit 2, naming the flag and the reason) where DeepSpeed does not allow
+  it, "auto" falls back there and says so once; coalescing adds no host sync and counts k·m·W samples.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -106,6 +109,44 @@ def _group(model: str, fp16_config: str | None) -> dict:
         out.setdefault("skipped", []).append(result.skipped)
     built.engine.destroy()
 
+    # Coalesced reduction (ZeRO-2): the same host syncs, and DeepSpeed's sample counter counts k*m*W.
+    bundle, built = _engine(model, "--zero-stage", "2", "--coalesce-grad-reduction", "on")
+    out["coalesce_syncs"], out["coalesce_samples"] = {}, []
+    for k in SYNC_KS:
+        batches = [_pairs(bundle, 100 * k + rank * 10 + 2 * j, 2) for j in range(k)]
+        with HostReadCounter() as counter:
+            result = cached_step(built.engine, batches, built.loss_fn)
+        out["coalesce_syncs"][k] = counter.calls
+        out["coalesce_samples"].append(built.engine.global_samples)
+        out.setdefault("coalesce_skipped", []).append(result.skipped)
+    built.engine.destroy()
+
+    # auto where DeepSpeed does not coalesce (ZeRO-0): built without it, one log line on rank 0 alone.
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    ds_clip_logger = logging.getLogger("ds_clip")
+    level = ds_clip_logger.level
+    ds_clip_logger.addHandler(handler)
+    ds_clip_logger.setLevel(logging.INFO)  # as the trainer's logging set-up does
+    try:
+        bundle, built = _engine(model, "--zero-stage", "0", "--coalesce-grad-reduction", "auto")
+    finally:
+        ds_clip_logger.removeHandler(handler)
+        ds_clip_logger.setLevel(level)
+    from ds_clip import distributed
+
+    logged = [r for r in records if "--coalesce-grad-reduction" in r]
+    out["auto_zero0"] = {
+        "logged": logged,
+        "logged_per_rank": distributed.all_gather_object(len(logged)),
+        "managed": built.engine.managed_gradient_accumulation(),
+        "samples": None,
+    }
+    cached_step(built.engine, [_pairs(bundle, rank * 10 + 2 * j, 2) for j in range(2)], built.loss_fn)
+    out["auto_zero0"]["samples"] = built.engine.global_samples
+    built.engine.destroy()
+
     if fp16_config is not None:
         bundle, built = _engine(model, "--ds-config", fp16_config, "--precision", "fp16", "--lr", "1e-3")
         lr_before = built.engine.get_lr()[0]
@@ -149,6 +190,88 @@ def test_host_syncs_per_step_do_not_grow_with_k(results):
     assert results["skipped"] == [False] * len(SYNC_KS)
     for k in SYNC_KS:
         assert len(results["syncs"][k]) == 2, (k, results["syncs"][k])
+
+
+def test_coalesced_reduction_adds_no_host_sync_and_counts_every_sample(results):
+    """--coalesce-grad-reduction on (ZeRO-2, DeepSpeed's managed accumulation): the step reads the same 2
+    values to the host for k = 1, 2, 4, and DeepSpeed's global_samples advances by k*m*W per step (managed
+    mode alone would count m*W: the x-axis of DeepSpeed's monitors and the checkpointed sample count)."""
+    assert results["coalesce_skipped"] == [False] * len(SYNC_KS)
+    for k in SYNC_KS:
+        assert len(results["coalesce_syncs"][k]) == 2, (k, results["coalesce_syncs"][k])
+    m, w = 2, 2
+    expected, total = [], 0
+    for k in SYNC_KS:
+        total += k * m * w
+        expected.append(total)
+    assert results["coalesce_samples"] == expected
+
+
+def test_coalesce_auto_falls_back_once_where_deepspeed_refuses(results):
+    """auto on ZeRO-0: the engine is built without coalescing (unmanaged accumulation, as with off), rank 0
+    logs the reason once, rank 1 not at all, and the step still counts k*m*W samples."""
+    auto = results["auto_zero0"]
+    assert auto["managed"] is False
+    assert auto["logged_per_rank"] == [1, 0]
+    assert len(auto["logged"]) == 1 and "ZeRO stage 0" in auto["logged"][0], auto["logged"]
+    assert auto["samples"] == 2 * 2 * 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "reason"),
+    [
+        (["--zero-stage", "0"], "ZeRO stage 0"),
+        (["--ds-config", "{bf16_accum_fp32}", "--precision", "bf16"], "BF16_Optimizer"),
+        (["--ds-config", "{unmanaged}"], "managed_gradient_accumulation=false"),
+    ],
+    ids=["zero0", "bf16-zero1-fp32-accum", "unmanaged-preset"],
+)
+def test_coalesce_on_is_refused_where_deepspeed_does_not_allow_it(argv, reason, tmp_path, capsys):
+    """--coalesce-grad-reduction on where DeepSpeed 0.19.8's coalesce_grad_reduction() raises (ZeRO-0; the
+    BF16_Optimizer wrapper it picks for bf16 ZeRO-1 with fp32 gradient accumulation; a preset that turns
+    managed accumulation off): ds-clip-train exits 2 before any process starts, with one line naming the flag
+    and the reason. auto resolves the same settings to an engine without coalescing."""
+    from ds_clip.config import parse_settings
+    from ds_clip.ds_config import coalesce_fallback, resolve_ds_config
+    from ds_clip.train import main
+
+    presets = {
+        "bf16_accum_fp32": {"zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}},
+        "unmanaged": {"zero_optimization": {"stage": 2}, "managed_gradient_accumulation": False},
+    }
+    paths = {}
+    for name, cfg in presets.items():
+        paths[name] = str(tmp_path / f"{name}.json")
+        Path(paths[name]).write_text(json.dumps(cfg))
+    argv = [a.format(**paths) for a in argv]
+    assert main([*argv, "--coalesce-grad-reduction", "on"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--coalesce-grad-reduction on" in err and reason in err, err
+    auto = parse_settings([*argv, "--coalesce-grad-reduction", "auto"])
+    assert resolve_ds_config(auto, world_size=2)["managed_gradient_accumulation"] is False
+    assert reason in coalesce_fallback(auto)
+
+
+def test_coalesce_on_resolves_managed_accumulation_on_zero_1_to_3():
+    """Where DeepSpeed allows it (ZeRO 1-3, fp32/bf16, with optimizer offload too), on and auto resolve the
+    engine with managed accumulation (what coalesce_grad_reduction() asserts) and nothing to log; off keeps
+    the unmanaged boundary."""
+    from ds_clip.config import parse_settings
+    from ds_clip.ds_config import coalesce_fallback, resolve_ds_config
+
+    for extra in (
+        ["--zero-stage", "1"],
+        ["--zero-stage", "2", "--precision", "bf16"],
+        ["--zero-stage", "3"],
+        ["--ds-config", "zero3_offload_fp32"],
+    ):
+        for mode, managed in (("on", True), ("auto", True), ("off", False)):
+            s = parse_settings([*extra, "--coalesce-grad-reduction", mode])
+            assert resolve_ds_config(s, world_size=2)["managed_gradient_accumulation"] is managed, (
+                extra,
+                mode,
+            )
+            assert coalesce_fallback(s) is None
 
 
 def test_fp16_overflow_is_a_skipped_step_with_the_schedule_held(results):
