@@ -96,6 +96,10 @@ def build_engine(
         config=ds_json,
         lr_scheduler=lambda opt: build_scheduler(opt, schedule),
     )
+    if s.model.torchcompile:  # after initialize: DeepSpeed wraps (and ZeRO hooks) the uncompiled module
+        from ds_clip.model import compile_engine
+
+        compile_engine(engine)
     if world_size == 1 and engine.zero_optimization_stage() == 0:
         # Alone, DeepSpeed still flattens every gradient into buckets and all-reduces them at engine.step()
         # (a copy of the whole gradient; 605 MB per step for ViT-B-32). Averaging over one rank is the

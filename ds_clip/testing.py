@@ -63,6 +63,8 @@ class RunSpec:
     """--lock-image (LiT): the image tower frozen, as open_clip locks it."""
     lock_text: bool = False
     """--lock-text --lock-text-freeze-layer-norm: the text tower frozen."""
+    torchcompile: bool = False
+    """--torchcompile: the model compiled (DeepSpeed's engine.compile, inductor)."""
     name: str = ""
 
 
@@ -186,6 +188,8 @@ def train_argv(spec: RunSpec, preset_dir: str | None = None) -> list[str]:
         argv.append("--lock-image")
     if spec.lock_text:
         argv += ["--lock-text", "--lock-text-freeze-layer-norm"]
+    if spec.torchcompile:
+        argv.append("--torchcompile")
     return argv
 
 
