@@ -41,7 +41,7 @@ from ds_clip.urls import ShardPatternError, expand_shards
 BUILTIN_MODELS = ("ds-clip-tiny", "ds-clip-tiny-siglip")
 PRECISIONS = ("fp32", "bf16", "fp16")
 LOSS_IMPLS = ("auto", "dense", "tiled")
-DATASET_TYPES = ("synthetic", "webdataset")
+DATASET_TYPES = ("synthetic", "webdataset", "csv")
 IMAGE_INTERPOLATIONS = ("bicubic", "bilinear", "random")
 REPORTERS = ("tensorboard", "csv", "wandb")
 LR_SCHEDULERS = ("cosine", "const", "const-cooldown")
@@ -184,15 +184,20 @@ class DataSettings:
 
     train_data: str | None = opt(None, metavar="PATTERN", open_clip="differs: globs are expanded too")
     """Webdataset shards: brace patterns ("shards/{00000..00127}.tar"), globs, local paths or file:PATH,
-    pipe: commands and URLs, several sources joined by "::". Local sources must exist."""
+    pipe: commands and URLs, several sources joined by "::". Local sources must exist. With
+    --dataset-type csv: one CSV/TSV file of image paths and captions."""
+    train_data_upsampling_factors: str | None = opt(None, metavar="F::F...", open_clip="same")
+    """One weight per "::"-joined --train-data source (e.g. 1::2::0.5), with --dataset-resampled: each shard
+    of source i is drawn with weight F_i (so a source's share also grows with its shard count)."""
     dataset_type: str = opt(
         "synthetic",
         choices=DATASET_TYPES,
         derived=True,
-        default_text="synthetic without --train-data, webdataset with it",
-        open_clip="differs: synthetic or webdataset only (no csv, no auto)",
+        default_text="synthetic without --train-data; with it csv for a .csv/.tsv file, else webdataset",
+        open_clip="differs: no auto (derived as described); synthetic renders ds_clip's captioned shapes",
     )
-    """"synthetic" (rendered pairs, no files) or "webdataset" (tar shards)."""
+    """"synthetic" (rendered pairs, no files), "webdataset" (tar shards) or "csv" (a CSV/TSV file of image
+    paths and captions, open_clip's CsvDataset columns)."""
     train_num_samples: int | None = opt(
         None,
         metavar="N",
@@ -220,6 +225,13 @@ class DataSettings:
     data is built without a model."""
     shuffle_buffer: int = opt(1000, metavar="N", unit="samples", open_clip="ds_clip only")
     """Undecoded webdataset samples each worker shuffles over; 0 or 1: no sample shuffle."""
+    csv_separator: str = opt("\t", metavar="CHAR", default_text="tab", open_clip="same")
+    """Column separator of the --dataset-type csv file: one character ("," for CSV), or \\t for a tab."""
+    csv_img_key: str = opt("filepath", metavar="COLUMN", open_clip="same")
+    """Column of the --dataset-type csv file that holds the image paths (relative ones are relative to the
+    working directory of the training processes, as in open_clip)."""
+    csv_caption_key: str = opt("title", metavar="COLUMN", open_clip="same")
+    """Column of the --dataset-type csv file that holds the captions."""
 
 
 @dataclass
@@ -619,8 +631,8 @@ def parse_settings(argv: list[str] | None = None) -> TrainSettings:
     Raises SettingsError for bad values; argparse itself exits 2 on malformed flags.
     """
     values: dict[str, Any] = vars(build_parser().parse_args(argv))
-    if values["dataset_type"] is None:
-        values["dataset_type"] = "webdataset" if values["train_data"] else "synthetic"
+    if values["dataset_type"] is None:  # open_clip's "auto": a .csv/.tsv file is csv, anything else shards
+        values["dataset_type"] = _derived_dataset_type(values["train_data"])
     if values["precision"] is None:
         # CLI > preset > default: a preset named for its precision (zero2_bf16) sets --precision.
         values["precision"] = preset_precision(values["ds_config"]) if values["ds_config"] else "fp32"
@@ -686,6 +698,57 @@ def _check_shards(flag: str, pattern: str) -> None:
         raise SettingsError(str(exc)) from None
 
 
+def _derived_dataset_type(train_data: str | None) -> str:
+    """--dataset-type when not given: synthetic without --train-data, csv for a .csv/.tsv file (open_clip's
+    "auto" looks at the same extension), else webdataset."""
+    if not train_data:
+        return "synthetic"
+    return "csv" if train_data.rsplit(".", 1)[-1].lower() in ("csv", "tsv") else "webdataset"
+
+
+def _check_upsampling_factors(d: DataSettings) -> None:
+    # open_clip_train.data: an assert for "needs --dataset-resampled", one for the count, float() for each.
+    flag, text = "--train-data-upsampling-factors", d.train_data_upsampling_factors
+    _need(
+        d.dataset_type == "webdataset",
+        f"{flag} weights the '::'-joined sources of webdataset shards; --dataset-type is {d.dataset_type}",
+    )
+    _need(
+        d.dataset_resampled,
+        f"{flag} needs --dataset-resampled (as in open_clip, the factors weight drawing with replacement)",
+    )
+    words = (text or "").split("::")
+    sources = (d.train_data or "").split("::")
+    _need(
+        len(words) == len(sources),
+        f"{flag} {text!r} has {len(words)} factors but --train-data has {len(sources)} '::'-joined sources",
+    )
+    for word in words:
+        try:
+            value = float(word)
+        except ValueError:
+            raise SettingsError(f"{flag} {text!r}: {word!r} is not a number") from None
+        _need(
+            0 < value < float("inf"), f"{flag} {text!r}: each factor must be a positive number, got {word!r}"
+        )
+
+
+def _check_csv(d: DataSettings) -> None:
+    _need(bool(d.train_data), "--dataset-type csv needs --train-data (a CSV/TSV file)")
+    path = Path(d.train_data or "").expanduser()
+    _need(path.is_file(), f"--train-data {d.train_data!r}: no such CSV/TSV file (--dataset-type csv)")
+    _need(
+        not d.dataset_resampled,
+        "--dataset-resampled draws webdataset shards; with --dataset-type csv every row is trained once an epoch",
+    )
+    _need(
+        len(d.csv_separator) == 1 or d.csv_separator == "\\t",
+        f"--csv-separator must be one character (or \\t for a tab), got {d.csv_separator!r}",
+    )
+    for flag, value in (("--csv-img-key", d.csv_img_key), ("--csv-caption-key", d.csv_caption_key)):
+        _need(bool(value), f"{flag} must name a column of the --train-data file")
+
+
 def check_data(d: DataSettings) -> None:
     """The rules of the data section alone (also run by ds_clip.data.build_train_data on what it gets)."""
     _check_choice("dataset_type", d.dataset_type)
@@ -695,12 +758,16 @@ def check_data(d: DataSettings) -> None:
     _check_min("shuffle_buffer", d.shuffle_buffer, 0)
     for flag, value in (("--image-key", d.image_key), ("--caption-key", d.caption_key)):
         _need(bool([k for k in value.split(";") if k.strip()]), f"{flag} must name at least one extension, got {value!r}")  # fmt: skip
+    if d.train_data_upsampling_factors is not None:
+        _check_upsampling_factors(d)
     if d.dataset_type == "webdataset":
         _need(bool(d.train_data), "--dataset-type webdataset needs --train-data (a shard pattern)")
         _need(
             not d.dataset_resampled or d.train_num_samples is not None,
             "--dataset-resampled needs --train-num-samples (it defines an epoch)",
         )
+    elif d.dataset_type == "csv":
+        _check_csv(d)
     elif d.train_data:
         raise SettingsError("--train-data is given but --dataset-type is synthetic: drop one of them")
 

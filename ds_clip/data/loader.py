@@ -9,7 +9,13 @@ step uses to derive per-micro-batch RNG state: equal on (W=4, k=1) and (W=2, k=2
 Leftover rule: pairs that do not fill a whole global batch at the end of an epoch are not trained
 (never a smaller step); a warning on logger "ds_clip.data" says how many.
 
-Augmentation: both loaders wrap the `preprocess` they are given in a `SeededTransform` (data/augment.py),
+Map-style data (synthetic pairs, CSV rows) share one machinery, `_MapTrainData`: a batch sampler hands
+the DataLoader the m indices of each micro-batch, index = first + s*N + g*m + [0, m) for step s and global
+micro-batch g, so what a step trains depends on (seed, epoch, s, N) alone, not on the (W, k) split or on
+--workers. Synthetic data indexes global sample numbers (first = epoch*samples_per_epoch), CSV data the
+positions of the epoch's seeded row order (first = 0; data/table.py maps a position to a row).
+
+Augmentation: all loaders wrap the `preprocess` they are given in a `SeededTransform` (data/augment.py),
 so each sample's random draws are a function of (--seed, epoch, sample identity) alone; the caller passes
 the user's train transform as it is.
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,16 +42,18 @@ from ds_clip.data.base import (
     loader_generator,
 )
 from ds_clip.data.synthetic import SyntheticCaptions
+from ds_clip.data.table import CsvPairs, Report, check_image_paths, read_table
 from ds_clip.data.wds import WebDatasetTrainData
 
 logger = logging.getLogger("ds_clip.data")
 
 # Side of a synthetic image when --synthetic-image-size is not set and no model filled it in.
 SYNTHETIC_RENDER_SIZE = 64
+_LOGGED_PER_REASON = 5  # replaced-row messages logged per reason and epoch; the rest only counted
 
 
 class _StepIndexSampler:
-    """Batch sampler of the synthetic data: yields the m global sample indices of each micro-batch."""
+    """Batch sampler of map-style data: yields the m dataset indices of each micro-batch of this rank."""
 
     def __init__(self, geometry: _Geometry, base: int, start_step: int, steps: int) -> None:
         self.g, self.base, self.start_step, self.steps = geometry, base, start_step, steps
@@ -60,7 +69,84 @@ class _StepIndexSampler:
                 yield list(range(first, first + m))
 
 
-class SyntheticTrainData(TrainData):
+def _collate(items: list[tuple]) -> tuple[torch.Tensor | None, torch.Tensor | None, list[Report]]:
+    """(images, texts) of a micro-batch, plus the reports of rows replaced on the way (CSV; none for the
+    synthetic data). (None, None, reports) when an item could not be loaded at all (reason "fatal")."""
+    reports = [r for item in items for r in (item[2] if len(item) > 2 else ())]
+    if any(item[0] is None for item in items):
+        return None, None, reports
+    return torch.stack([item[0] for item in items]), torch.stack([item[1] for item in items]), reports
+
+
+class _MapTrainData(TrainData):
+    """Step batches from a map-style dataset with an `epoch` attribute, indexed through _StepIndexSampler.
+
+    Subclasses set dataset, workers, seed, steps_per_epoch, samples_per_epoch and `_first_index(epoch)`.
+    """
+
+    dataset: Any
+    workers: int
+    seed: int
+    source: str = ""  # the file named in errors (CSV)
+
+    def _first_index(self, epoch: int) -> int:
+        raise NotImplementedError
+
+    def iter_epoch(self, epoch: int, start_step: int = 0) -> Iterator[StepBatch]:
+        self._check_start(epoch, start_step)
+        g = self.geometry
+        sampler = _StepIndexSampler(g, self._first_index(epoch), start_step, self.steps_per_epoch)
+        dataset = copy.copy(self.dataset)
+        dataset.epoch = epoch  # a fresh copy per epoch: workers get it pickled (or forked) with the epoch set
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            num_workers=self.workers,
+            collate_fn=_collate,
+            # Page-locked batches let the step copy them to the GPU with non_blocking=True.
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=False,
+            prefetch_factor=4 if self.workers > 0 else None,
+            generator=loader_generator(self.seed, epoch, g.rank, start_step),
+        )
+        ids = g.micro_batch_ids()
+        micro: list[tuple[torch.Tensor, torch.Tensor]] = []
+        step = start_step
+        skips_before = dict(self.skip_counts)
+        logged: dict[str, int] = {}
+        for images, texts, reports in loader:
+            self._count(reports, logged)
+            micro.append((images, texts))
+            if len(micro) == g.accum_freq:
+                # Counted as trained once handed out: a state_dict() taken after this step resumes after it.
+                self._advance(epoch, step)
+                yield StepBatch(micro_batches=micro, micro_batch_ids=list(ids), step_in_epoch=step)
+                micro, step = [], step + 1
+        new = {
+            k: v - skips_before.get(k, 0) for k, v in self.skip_counts.items() if v != skips_before.get(k, 0)
+        }
+        if new:
+            logger.warning("rank %d epoch %d: replaced bad rows: %s", g.rank, epoch, new)
+
+    def _count(self, reports: list[Report], logged: dict[str, int]) -> None:
+        # One writer: the main process counts and logs what the workers report with each micro-batch.
+        for reason, message in reports:
+            if reason == "fatal":
+                raise DataError(f"--train-data {self.source!r}: {message} (--csv-img-key)")
+            self.skip_counts[reason] = self.skip_counts.get(reason, 0) + 1
+            seen = logged.get(reason, 0)
+            if seen < _LOGGED_PER_REASON:
+                last = " (further ones this epoch only counted)" if seen == _LOGGED_PER_REASON - 1 else ""
+                logger.warning(
+                    "rank %d: %s; the next row of the epoch's order trained instead%s",
+                    self.geometry.rank,
+                    message,
+                    last,
+                )
+            logged[reason] = seen + 1
+
+
+class SyntheticTrainData(_MapTrainData):
     """Rendered pairs assigned by global sample index: step s of epoch e, micro-batch g trains indices
     e*samples_per_epoch + s*N + g*m + [0, m). Each epoch renders new pairs (the index keeps growing)."""
 
@@ -101,32 +187,65 @@ class SyntheticTrainData(TrainData):
             image_size=settings.synthetic_image_size or SYNTHETIC_RENDER_SIZE,
         )
 
-    def iter_epoch(self, epoch: int, start_step: int = 0) -> Iterator[StepBatch]:
-        self._check_start(epoch, start_step)
-        g = self.geometry
-        sampler = _StepIndexSampler(g, epoch * self.samples_per_epoch, start_step, self.steps_per_epoch)
-        dataset = copy.copy(self.dataset)
-        dataset.epoch = epoch  # a fresh copy per epoch: workers get it pickled (or forked) with the epoch set
-        loader = torch.utils.data.DataLoader(
-            dataset,
-            batch_sampler=sampler,
-            num_workers=self.workers,
-            # Page-locked batches let the step copy them to the GPU with non_blocking=True.
-            pin_memory=torch.cuda.is_available(),
-            persistent_workers=False,
-            prefetch_factor=4 if self.workers > 0 else None,
-            generator=loader_generator(self.seed, epoch, g.rank, start_step),
+    def _first_index(self, epoch: int) -> int:
+        return epoch * self.samples_per_epoch
+
+
+class CsvTrainData(_MapTrainData):
+    """Rows of a CSV/TSV file (open_clip's --dataset-type csv): step s of epoch e, micro-batch g trains the
+    rows at positions s*N + g*m + [0, m) of the epoch's row order, seeded by (seed, e). Every row once per
+    epoch, the positions beyond steps_per_epoch*N (< N of them, or beyond --train-num-samples) left out."""
+
+    def __init__(
+        self,
+        settings: DataSettings,
+        geometry: _Geometry,
+        preprocess: Callable[[Image.Image], torch.Tensor],
+        tokenizer: Callable[[list[str]], Any],
+    ) -> None:
+        super().__init__(geometry)
+        assert settings.train_data is not None  # validated
+        self.source = settings.train_data
+        paths, captions = read_table(
+            os.path.expanduser(settings.train_data),
+            settings.csv_img_key,
+            settings.csv_caption_key,
+            settings.csv_separator,
         )
-        ids = g.micro_batch_ids()
-        micro: list[tuple[torch.Tensor, torch.Tensor]] = []
-        step = start_step
-        for images, texts in loader:
-            micro.append((images, texts))
-            if len(micro) == g.accum_freq:
-                # Counted as trained once handed out: a state_dict() taken after this step resumes after it.
-                self._advance(epoch, step)
-                yield StepBatch(micro_batches=micro, micro_batch_ids=list(ids), step_in_epoch=step)
-                micro, step = [], step + 1
+        n = geometry.global_batch
+        available = min(len(paths), settings.train_num_samples or len(paths))
+        self.steps_per_epoch = available // n
+        if self.steps_per_epoch == 0:
+            raise DataError(
+                f"--train-data {settings.train_data!r} has {len(paths)} rows"
+                f"{f' (--train-num-samples {available})' if available < len(paths) else ''}, fewer than one "
+                f"global batch N = W*k*m = {n}"
+            )
+        check_image_paths(settings.train_data, paths)
+        self.samples_per_epoch = self.steps_per_epoch * n
+        if self.samples_per_epoch < len(paths):
+            logger.warning(
+                "each epoch trains %d of the %d rows of %s; %d rows that do not fill a global batch of N=%d%s "
+                "are left out (a different set each epoch: the row order is reshuffled)",
+                self.samples_per_epoch,
+                len(paths),
+                settings.train_data,
+                len(paths) - self.samples_per_epoch,
+                n,
+                " or lie beyond --train-num-samples" if available < len(paths) else "",
+            )
+        self.workers = settings.workers
+        self.seed = settings.seed
+        self.dataset = CsvPairs(
+            paths=paths,
+            captions=captions,
+            seed=settings.seed,
+            preprocess=SeededTransform(preprocess, settings.seed),
+            tokenizer=tokenizer,
+        )
+
+    def _first_index(self, epoch: int) -> int:
+        return 0  # positions in the epoch's own row order
 
 
 def build_train_data(
@@ -154,10 +273,13 @@ def build_train_data(
     geometry = _Geometry(rank=rank, world_size=world_size, micro_batch_size=batch_size, accum_freq=accum_freq)
     if settings.dataset_type == "synthetic":
         return SyntheticTrainData(settings, geometry, preprocess, tokenizer)
+    if settings.dataset_type == "csv":
+        return CsvTrainData(settings, geometry, preprocess, tokenizer)
     return WebDatasetTrainData(settings, geometry, preprocess, tokenizer)
 
 
 __all__ = [
+    "CsvTrainData",
     "DataError",
     "DataSettings",
     "StepBatch",

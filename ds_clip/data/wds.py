@@ -8,7 +8,8 @@ Two modes (see docs/data.md):
   (a different set each epoch). This needs per-shard sample counts: `sizes.json` next to the shards
   (open_clip's format, written by `ds-clip-shards`) or, failing that, a scan of the tars at start-up.
 - resampled: each worker draws shards with replacement, seeded by (seed, epoch, rank, worker);
-  an epoch is --train-num-samples pairs.
+  an epoch is --train-num-samples pairs. With --train-data-upsampling-factors each shard of "::"-joined
+  source i is drawn with weight factor_i (open_clip's ResampledShards2 with expand_urls' weights).
 
 Workers shuffle undecoded samples in a seeded buffer, decode, and send micro-batches of m pairs with
 their skip counts and their position (raw samples consumed) attached; the main process takes the
@@ -74,6 +75,17 @@ def expand_urls(train_data: str, flag: str = "--train-data") -> list[str]:
         return expand_shards(train_data, flag)
     except ShardPatternError as exc:
         raise DataError(str(exc)) from None
+
+
+def shard_weights(train_data: str, factors: str | None) -> list[float] | None:
+    """Per shard of `expand_urls(train_data)`, the factor of its "::"-joined source (open_clip's
+    expand_urls(urls, weights)); None without factors. The count and values were validated with the flag."""
+    if factors is None:
+        return None
+    weights: list[float] = []
+    for source, factor in zip(train_data.split("::"), factors.split("::"), strict=True):
+        weights += [float(factor)] * len(expand_urls(source.strip()))
+    return weights
 
 
 def _split_name(name: str) -> tuple[str | None, str | None]:
@@ -341,6 +353,7 @@ class _Pipeline:
     caption_exts: tuple[str, ...]
     augment: SeededTransform
     tokenizer: Callable[[list[str]], Any]
+    weights: list[float] | None = None  # per shard, resampled mode with --train-data-upsampling-factors
     plan: _EpochPlan | None = field(default=None)
 
 
@@ -361,7 +374,8 @@ class _WorkerStream(torch.utils.data.IterableDataset):
         rng = random.Random(_seed("shards", p.seed, plan.epoch, p.rank, worker))
         empty_draws = 0
         while True:  # resampled: endless draws with replacement; the main process stops reading
-            url = rng.choice(p.urls)
+            # Without factors rng.choice as before the flag existed: the same seed draws the same shards.
+            url = rng.choices(p.urls, weights=p.weights)[0] if p.weights else rng.choice(p.urls)
             opened[0] += 1
             got = 0
             for sample in iter_shard(url, counter):
@@ -489,6 +503,7 @@ class WebDatasetTrainData(TrainData):
             caption_exts=tuple(e.strip().lower() for e in settings.caption_key.split(";") if e.strip()),
             augment=SeededTransform(preprocess, settings.seed),
             tokenizer=tokenizer,
+            weights=shard_weights(settings.train_data, settings.train_data_upsampling_factors),
         )
         self._raw_pos: list[int] = [0] * max(self.workers, 1)
         self._resume: dict[str, Any] | None = None
