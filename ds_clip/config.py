@@ -186,7 +186,11 @@ class DataSettings:
     """Webdataset shards: brace patterns ("shards/{00000..00127}.tar"), globs, local paths or file:PATH,
     pipe: commands and URLs, several sources joined by "::". Local sources must exist. With
     --dataset-type csv: one CSV/TSV file of image paths and captions."""
-    train_data_upsampling_factors: str | None = opt(None, metavar="F::F...", open_clip="same")
+    train_data_upsampling_factors: str | None = opt(
+        None,
+        metavar="F::F...",
+        open_clip="differs: a factor of 0 is refused (open_clip never draws that source)",
+    )
     """One weight per "::"-joined --train-data source (e.g. 1::2::0.5), with --dataset-resampled: each shard
     of source i is drawn with weight F_i (so a source's share also grows with its shard count)."""
     dataset_type: str = opt(
@@ -225,7 +229,12 @@ class DataSettings:
     data is built without a model."""
     shuffle_buffer: int = opt(1000, metavar="N", unit="samples", open_clip="ds_clip only")
     """Undecoded webdataset samples each worker shuffles over; 0 or 1: no sample shuffle."""
-    csv_separator: str = opt("\t", metavar="CHAR", default_text="tab", open_clip="same")
+    csv_separator: str = opt(
+        "\t",
+        metavar="CHAR",
+        default_text="tab",
+        open_clip="differs: one character (pandas also takes a regex)",
+    )
     """Column separator of the --dataset-type csv file: one character ("," for CSV), or \\t for a tab."""
     csv_img_key: str = opt("filepath", metavar="COLUMN", open_clip="same")
     """Column of the --dataset-type csv file that holds the image paths (relative ones are relative to the
