@@ -192,6 +192,7 @@ def test_bad_input_is_an_error_naming_the_flag(tmp_path, capsys, monkeypatch):
     commas = write_table(tmp_path / "commas", 8, sep=",")
     assert "--csv-separator '\\t'" in error(commas) and "','-separated" in error(commas)
     assert len(build(commas, csv_separator=",").dataset) == 8
+    assert len(build(table, csv_separator="\\t").dataset) == 8  # backslash-t: a tab, as pandas reads it
     assert "fewer than one global batch N = W*k*m = 16" in error(table, world_size=4, m=2, k=2)
     assert "--train-data" in error(table, world_size=4, m=2, k=2)
     ragged = tmp_path / "ragged.tsv"
