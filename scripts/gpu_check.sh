@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What only a GPU shows (issue 13), in under 8 minutes on one H200:
+# What only a GPU shows (issue 13), in under 11 minutes on one H200:
 #
 #     bash scripts/gpu_check.sh                      # results in $OUT/gpu_check.json (else ./gpu_check_out/)
 #     bash scripts/gpu_check.sh --out DIR/result.json
@@ -14,6 +14,8 @@
 #     bf16, k in {1, 4, 8}, peak memory from torch.cuda.max_memory_allocated (benchmarks/bench_accum.py).
 # (c) Exactness: k=4 x m vs k=1 x 4m on one GPU, fp32 with TF32 off: relative gradient error per parameter
 #     (scripts/gpu_check_exactness.py), failing above 1e-4.
+# (d) --torchcompile: ds-clip-train with and without it, ViT-B-32, 224 px, bf16, ZeRO-2: the first (compile)
+#     step and the steady time per step, from the runs' own metrics (benchmarks/bench_compile.py).
 # Every part fails loudly: any error stops the script with a non-zero exit and names the part.
 #
 # Install (the GPU machine may have torch preinstalled and no network), first that applies:
@@ -34,7 +36,7 @@ while [ $# -gt 0 ]; do
         --dry-run) DRY_RUN=1 ;;
         --out) OUT_FILE=$2; shift ;;
         --out=*) OUT_FILE=${1#--out=} ;;
-        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
         *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -46,7 +48,7 @@ WORK=${GPU_CHECK_WORK:-/tmp/ds_clip_gpu_check}
 LOG=$OUT_DIR/gpu_check.log
 
 # Sizes: each part has a time limit (a run past it fails the check). Expected on one H200, install excluded:
-# (a) ~2.5 min, (b) ~3 min, (c) ~1 min.
+# (a) ~2.5 min, (b) ~3 min, (c) ~1 min, (d) ~2.5 min (a cold inductor compile of ViT-B-32 in it).
 MODEL=ViT-B-32
 M_TRAIN=64
 M_BENCH=256
@@ -54,6 +56,7 @@ LIMIT_TRAIN_S=150
 LIMIT_COLLECTIVES_S=60
 LIMIT_BENCH_S=225
 LIMIT_EXACT_S=90
+LIMIT_COMPILE_S=240
 
 PART="set-up"
 trap 'rc=$?; echo "gpu_check: FAILED in part ${PART} (exit ${rc}); log: ${LOG}" >&2; exit ${rc}' ERR
@@ -165,13 +168,21 @@ run timeout "$LIMIT_EXACT_S" torchrun --standalone --nproc_per_node 1 -- scripts
     --model "$MODEL" --micro-batch-size 32 --zero-stages 0 2 --out "$OUT_DIR/exactness.json"
 TIME_C=$((SECONDS - T0))
 
+# ------------------------------------------------------------------- (d) --torchcompile, time per step
+PART="d: --torchcompile vs eager, time per step"
+T0=$SECONDS
+run timeout "$LIMIT_COMPILE_S" python benchmarks/bench_compile.py --model "$MODEL" --batch-size "$M_TRAIN" \
+    --accum-freq 2 --steps 8 --zero-stage 2 --extra=--precision --extra=bf16 --extra=--workers --extra=4 \
+    --json "$OUT_DIR/compile_gpu.json"
+TIME_D=$((SECONDS - T0))
+
 # ------------------------------------------------------------------------------------------ summary
 PART="summary"
 say "python - <<'PY' ... PY  # gathers the parts' results into $OUT_FILE"
 if [ "$DRY_RUN" = 1 ]; then
     exit 0
 fi
-OUT_DIR=$OUT_DIR OUT_FILE=$OUT_FILE TIME_A=$TIME_A TIME_B=$TIME_B TIME_C=$TIME_C python - <<'PY'
+OUT_DIR=$OUT_DIR OUT_FILE=$OUT_FILE TIME_A=$TIME_A TIME_B=$TIME_B TIME_C=$TIME_C TIME_D=$TIME_D python - <<'PY'
 import csv, json, os, subprocess
 from pathlib import Path
 d = Path(os.environ["OUT_DIR"])
@@ -182,7 +193,7 @@ gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_versio
 summary = {
     "gpu": gpu,
     "seconds": {"a_train_and_collectives": int(os.environ["TIME_A"]), "b_bench": int(os.environ["TIME_B"]),
-                "c_exactness": int(os.environ["TIME_C"])},
+                "c_exactness": int(os.environ["TIME_C"]), "d_compile": int(os.environ["TIME_D"])},
     "a_train": {
         "steps_logged": [int(r["step"]) for r in rows],
         "peak_mem_mib": max(float(r["peak_mem_mib"]) for r in rows),
@@ -192,6 +203,7 @@ summary = {
     "a_collectives": json.loads((d / "collectives.json").read_text()),
     "b_bench": bench["measurements"],
     "c_exactness": json.loads((d / "exactness.json").read_text()),
+    "d_compile": {k: v["summary"] for k, v in json.loads((d / "compile_gpu.json").read_text()).items()},
 }
 Path(os.environ["OUT_FILE"]).write_text(json.dumps(summary, indent=1))
 print(f"gpu_check: all parts passed; results in {os.environ['OUT_FILE']}")

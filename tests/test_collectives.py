@@ -474,6 +474,8 @@ def test_gpu_check_dry_run_lists_every_command(tmp_path):
         assert flag in bench[0], (flag, bench)
     exact = [ln for ln in lines if "scripts/gpu_check_exactness.py" in ln]
     assert len(exact) == 1
+    compiled = [ln for ln in lines if "benchmarks/bench_compile.py" in ln]  # --torchcompile vs eager
+    assert len(compiled) == 1 and "--model ViT-B-32" in compiled[0] and "--extra=bf16" in compiled[0]
     assert str(out_file) in text
     assert not out_file.exists()  # nothing ran
     # Every python snippet it would run exists and is valid Python.
