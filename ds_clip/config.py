@@ -850,7 +850,7 @@ def validate(s: TrainSettings) -> None:
         )
     # data
     check_data(s.data)
-    if s.data.train_data:
+    if s.data.train_data and s.data.dataset_type != "csv":  # a CSV path is a file, not a shard pattern
         _check_shards("--train-data", s.data.train_data)
     check_eval(ev, batch_size=o.batch_size)
     # model and weights
