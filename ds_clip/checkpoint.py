@@ -50,6 +50,40 @@ class CheckpointError(RunError):
     """A checkpoint that is missing, partial, unreadable or from an incompatible run."""
 
 
+class ResumeSettingsError(UserError):
+    """A resume whose optimizer flags differ from the checkpoint's: the load would silently undo them."""
+
+
+# Optimizer hyperparameters a resume cannot change: DeepSpeed's load restores each parameter group's lr,
+# weight_decay, betas and eps from the optimizer state, and the LR scheduler's state restores every group's
+# peak (base_lrs). A changed flag would be parsed, logged, and then overwritten by the old value. The
+# schedule's shape (--warmup, --lr-scheduler, --epochs...) is rebuilt from the flags and does take effect.
+RESUME_FIXED = ("lr", "visual_lr", "text_lr", "wd", "visual_wd", "text_wd", "visual_ld", "text_ld",
+                "beta1", "beta2", "eps")  # fmt: skip
+# Per-tower flags default to the shared one (--visual-lr none = --lr): compare what each resolves to.
+_RESUME_DEFAULTS = {"visual_lr": "lr", "text_lr": "lr", "visual_wd": "wd", "text_wd": "wd"}
+
+
+def check_resume_settings(saved: dict[str, Any], current: dict[str, Any], flag: str) -> None:
+    """Raise ResumeSettingsError naming each optimizer flag whose value differs from the checkpoint's run."""
+
+    def resolved(settings: dict[str, Any], name: str) -> Any:
+        value = settings.get(name)
+        return settings.get(_RESUME_DEFAULTS[name]) if value is None and name in _RESUME_DEFAULTS else value
+
+    changed = [
+        f"--{n.replace('_', '-')} {resolved(saved, n)} there, {resolved(current, n)} here"
+        for n in RESUME_FIXED
+        if n in saved and resolved(saved, n) != resolved(current, n)
+    ]
+    if changed:
+        raise ResumeSettingsError(
+            f"{flag}: the checkpoint's optimizer state would silently restore its own values of "
+            f"{'; '.join(changed)}. Resume with the checkpoint's values, or export it (ds-clip-export) and "
+            "start a new run with --pretrained and the new values"
+        )
+
+
 def _deepspeed_safe_globals() -> list:
     # The few non-tensor classes DeepSpeed 0.19.x pickles into its checkpoint files; anything else
     # would need arbitrary unpickling and is refused.
@@ -356,11 +390,13 @@ def load(
     *,
     shapes: dict[str, list[int]] | None = None,
     global_batch: int | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Every rank calls this; returns {'step', 'epoch', 'samples_seen', 'data', 'path', 'meta', 'resharded'}.
 
     ``shapes`` (param_shapes of the model before deepspeed.initialize) and ``global_batch`` are checked
-    against the checkpoint first, for a clear error instead of DeepSpeed's size mismatch.
+    against the checkpoint first, for a clear error instead of DeepSpeed's size mismatch; ``settings`` (this
+    run's, flat) for optimizer flags the load would silently undo (``check_resume_settings``).
     """
     install_safe_loading(engine)
     flag = f"--resume {resume}"
@@ -369,6 +405,8 @@ def load(
     world, rank = _world(), _rank()
     if shapes is not None and global_batch is not None:
         check_compatible(meta, flag, shapes=shapes, global_batch=global_batch, world_size=world)
+    if settings is not None and meta.get("settings"):
+        check_resume_settings(meta["settings"], settings, flag)
     stage = int(engine.zero_optimization_stage())
     same_shape = meta["world_size"] == world and meta["zero_stage"] == stage
     try:
@@ -598,7 +636,14 @@ class Checkpointer:
         if is_main:
             for p in remove_partial(self.run_dir / "checkpoints"):
                 logger.warning("removed partial checkpoint %s (a save that was cut short)", p)
-        state = load(self.engine, self.run_dir, resume, shapes=shapes, global_batch=self.global_batch)
+        state = load(
+            self.engine,
+            self.run_dir,
+            resume,
+            shapes=shapes,
+            global_batch=self.global_batch,
+            settings=self.settings,
+        )
         self.data.load_state_dict(state["data"])
         if is_main:
             logger.info(

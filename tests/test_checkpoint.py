@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from ds_clip import checkpoint as ck
+from ds_clip.errors import UserError
 from ds_clip.testing import E2E_MODEL, spawn_group
 
 M, STEPS, SAVE_AT = 2, 4, 2
@@ -94,7 +95,14 @@ def _group_w2(model: str, logs: Path, classes: str, shards: str) -> dict:
         )
     for z in FROM_W4_STAGES:
         _train(_resume(_args(model, logs, f"res42_z{z}", z, 2), logs, f"full4_z{z}"))
-    return _engine_embeddings(model, logs / "engine", zero=3)
+    out = _engine_embeddings(model, logs / "engine", zero=3)
+    # A resume with another peak LR is refused before the load: the saved optimizer and scheduler state
+    # would silently restore the old one.
+    try:
+        _train(_resume(_args(model, logs, "res2_lr", 1, 2, "--visual-lr", "2e-3"), logs, "full2_z1"))
+    except ck.ResumeSettingsError as exc:
+        out["lr_refusal"] = str(exc)
+    return out
 
 
 def _group_w4_second(model: str, logs: Path, clamp_model: str) -> list[dict]:
@@ -472,6 +480,22 @@ def test_incompatible_model_or_global_batch_is_a_clear_error(runs):
         ck.check_compatible(meta, "--resume x", shapes=other, global_batch=8, world_size=2)
     with pytest.raises(ck.CheckpointError, match="global batch.*--accum-freq 1"):
         ck.check_compatible(meta, "--resume x", shapes=shapes, global_batch=16, world_size=4)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_resume_refuses_optimizer_flags_the_load_would_undo(runs):
+    """ds-clip-train --resume with --visual-lr changed exits 2 naming the flag (ResumeSettingsError is a
+    UserError); the same values spelled differently (--visual-lr = --lr) and schedule flags are accepted."""
+    assert issubclass(ck.ResumeSettingsError, UserError)
+    assert "--visual-lr 0.001 there, 0.002 here" in runs["engine"]["lr_refusal"]
+    saved = ck.read_meta(_ckpt(runs["logs"], "full2_z1", STEPS))["settings"]
+    ck.check_resume_settings(
+        saved, {**saved, "visual_lr": saved["lr"], "warmup": 5, "epochs": 9}, "--resume x"
+    )
+    for name, flag in (("wd", "--wd"), ("beta2", "--beta2"), ("text_ld", "--text-ld")):
+        with pytest.raises(ck.ResumeSettingsError, match=f"{flag} "):
+            ck.check_resume_settings(saved, {**saved, name: 0.5}, "--resume x")
 
 
 def test_prune_keeps_the_newest_complete_and_deletes_older_only(tmp_path):
