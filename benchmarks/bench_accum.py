@@ -87,6 +87,9 @@ class BenchSettings:
     accum_freqs: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     world_sizes: list[int] = field(default_factory=lambda: [1])
     zero_stages: list[int] = field(default_factory=lambda: [0])
+    coalesce: list[str] = field(default_factory=lambda: ["off"])
+    """--coalesce-grad-reduction values, each its own engine: 'off', 'on' (ZeRO 1-3 only: DeepSpeed refuses
+    ZeRO-0, which is then measured with 'off' alone, as the reference)."""
     grad_checkpointing: str = "off"
     """'off', 'on' or 'both'."""
     precision: str = "fp32"
@@ -140,6 +143,8 @@ class Measurement:
     grad_reduction_passes: float | None = None
     """Gradient bytes reduced / the model's fp32 gradient bytes (1 = the whole gradient once)."""
     loss: float | None = None
+    coalesce: str = "off"
+    """--coalesce-grad-reduction of the engine ('on': one gradient reduction per step on ZeRO 1-3)."""
 
     @property
     def samples(self) -> int:
@@ -364,20 +369,25 @@ def _reduction_passes(ops: dict[str, list[int]], num_params: int) -> float:
 
 
 def run_engines(settings: BenchSettings, rep: int) -> list[Measurement]:
-    """Every rank of the current process group: one engine per (model, ZeRO stage), all modes."""
+    """Every rank of the current process group: one engine per (model, ZeRO stage, coalesce), all modes."""
     import torch.distributed as dist
 
     out: list[Measurement] = []
     with count_loss_collectives():
         for model in settings.models:
             for stage in settings.zero_stages:
-                out += _run_one_engine(settings, model, stage, rep)
-                gc.collect()
+                for coalesce in settings.coalesce:
+                    if coalesce == "on" and stage == 0:
+                        continue  # DeepSpeed coalesces on ZeRO 1-3 only; ZeRO-0 reduces once per step anyway
+                    out += _run_one_engine(settings, model, stage, rep, coalesce)
+                    gc.collect()
     dist.barrier()
     return out
 
 
-def _run_one_engine(settings: BenchSettings, model_name: str, stage: int, rep: int) -> list[Measurement]:
+def _run_one_engine(
+    settings: BenchSettings, model_name: str, stage: int, rep: int, coalesce: str = "off"
+) -> list[Measurement]:
     import torch
     import torch.distributed as dist
     from deepspeed import comm as ds_comm
@@ -398,6 +408,7 @@ def _run_one_engine(settings: BenchSettings, model_name: str, stage: int, rep: i
         zero_stage=stage,
         precision=settings.precision,
         count_collectives=True,
+        coalesce=coalesce,
         seed=settings.seed,
     )
     # The engine ds-clip-train builds (ds_clip.engine) from the shipped preset of this stage and precision,
@@ -538,6 +549,7 @@ def _run_one_engine(settings: BenchSettings, model_name: str, stage: int, rep: i
             engine_collectives=engine_ops,
             grad_reduction_passes=_reduction_passes(engine_ops, num_params),
             loss=res["loss"],
+            coalesce=coalesce,
         )
 
     variants = [(ckpt, mode, k) for ckpt in settings.checkpointing_modes()
@@ -754,7 +766,10 @@ def run_benchmark(settings: BenchSettings, log=print) -> list[Measurement]:
     results: list[Measurement] = []
     for rep in range(settings.repeats):
         for w in settings.world_sizes:
-            log(f"[bench] repeat {rep + 1}/{settings.repeats}: ds_clip, W={w}, stages {settings.zero_stages}")
+            log(
+                f"[bench] repeat {rep + 1}/{settings.repeats}: ds_clip, W={w}, stages {settings.zero_stages}, "
+                f"coalesce {settings.coalesce}"
+            )
             results += spawn_group(w, _engine_group, settings, rep)
         if settings.open_clip:
             for model in settings.models:
@@ -799,7 +814,16 @@ def machine_info(device: str) -> dict[str, Any]:
 
 
 def _key(r: Measurement) -> tuple:
-    return (r.model, r.world_size, r.zero_stage, r.grad_checkpointing, r.impl, r.mode, r.accum_freq)
+    return (
+        r.model,
+        r.world_size,
+        r.zero_stage,
+        r.coalesce,
+        r.grad_checkpointing,
+        r.impl,
+        r.mode,
+        r.accum_freq,
+    )
 
 
 def aggregate(rows: Sequence[Measurement]) -> list[dict[str, Any]]:
@@ -818,6 +842,7 @@ def aggregate(rows: Sequence[Measurement]) -> list[dict[str, Any]]:
             "image_size": r0.image_size,
             "W": r0.world_size,
             "zero": r0.zero_stage,
+            "coalesce": r0.coalesce,
             "ckpt": r0.grad_checkpointing,
             "impl": r0.impl,
             "mode": r0.mode,
@@ -855,15 +880,15 @@ def theory(k: int, ckpt: bool) -> float:
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
-    index = {(r["model"], r["W"], r["zero"], r["ckpt"], r["mode"], r["k"]): r for r in rows}
+    index = {(r["model"], r["W"], r["zero"], r["coalesce"], r["ckpt"], r["mode"], r["k"]): r for r in rows}
     for r in rows:
         if r["impl"] == "ds_clip":
-            base = index.get((r["model"], r["W"], r["zero"], r["ckpt"], "plain", 1))
+            base = index.get((r["model"], r["W"], r["zero"], r["coalesce"], r["ckpt"], "plain", 1))
             if base:
                 r["vs_plain"] = r["ms_per_sample"] / base["ms_per_sample"]
                 r["compute_vs_plain"] = r["compute_ms_per_sample"] / base["compute_ms_per_sample"]
                 r["theory"] = theory(r["k"], r["ckpt"]) if r["mode"] == "cached" else 1.0
-            k1 = index.get((r["model"], r["W"], r["zero"], r["ckpt"], "cached", 1))
+            k1 = index.get((r["model"], r["W"], r["zero"], r["coalesce"], r["ckpt"], "cached", 1))
             if k1 and r["mode"] == "cached":
                 r["peak_vs_k1"] = r["peak_mib"] / k1["peak_mib"]
                 r["transient_vs_k1"] = r["transient_mib"] / max(k1["transient_mib"], 1e-9)
@@ -873,7 +898,7 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
                 (
                     x
                     for z in (0, 1, 2, 3)
-                    if (x := index.get((r["model"], 1, z, r["ckpt"], "cached", r["k"])))
+                    if (x := index.get((r["model"], 1, z, "off", r["ckpt"], "cached", r["k"])))
                 ),
                 None,
             )
@@ -899,7 +924,15 @@ def markdown_tables(rows: Sequence[dict[str, Any]]) -> str:
     parts = []
     ours = sorted(
         (r for r in rows if r["impl"] == "ds_clip"),
-        key=lambda r: (r["params_m"], r["W"], r["zero"], r["ckpt"], r["mode"] != "plain", r["k"]),
+        key=lambda r: (
+            r["params_m"],
+            r["W"],
+            r["zero"],
+            r["coalesce"],
+            r["ckpt"],
+            r["mode"] != "plain",
+            r["k"],
+        ),
     )
     parts.append(
         "| model (params) | W | ZeRO | ckpt | step | k | N | best s/step | ms/sample best / median (max) | × plain | "
@@ -910,7 +943,7 @@ def markdown_tables(rows: Sequence[dict[str, Any]]) -> str:
         n = r["W"] * r["k"] * r["m"]
         parts.append(
             f"| {r['model']} ({r['params_m']}M) | {r['W']} | {r['zero']} | {'on' if r['ckpt'] else 'off'} | "
-            f"{r['mode']} | {r['k']} | {n} | {r['step_s']:.2f} | {r['ms_per_sample']:.1f} / "
+            f"{_mode_label(r)} | {r['k']} | {n} | {r['step_s']:.2f} | {r['ms_per_sample']:.1f} / "
             f"{r['median_ms_per_sample']:.1f} (+{r['spread_pct']:.0f}%) | {_f(r.get('vs_plain'))} | {_f(r.get('compute_vs_plain'))} | "
             f"{_f(r.get('theory'))} | {_f(r['optimizer_s'])} | {r['peak_mib']:.0f} | "
             f"{r['transient_mib']:.0f} | {_f(r.get('peak_vs_k1'), '.3f')} | {_fmt_bytes(r['cache_bytes'])} |"
@@ -921,7 +954,7 @@ def markdown_tables(rows: Sequence[dict[str, Any]]) -> str:
         index = {
             (r["model"], r["ckpt"], r["k"]): r
             for r in sorted(rows, key=lambda r: -(r["zero"] or 0))
-            if r["mode"] == "cached" and r["W"] == 1
+            if r["mode"] == "cached" and r["W"] == 1 and r["coalesce"] == "off"
         }  # the lowest ZeRO stage wins, as in _add_ratios
         lines = [
             "| model | ckpt | k | open_clip ms/sample best / median (max) | ds_clip ms/sample best | ds_clip / open_clip | "
@@ -937,7 +970,11 @@ def markdown_tables(rows: Sequence[dict[str, Any]]) -> str:
                 f"{r['transient_mib']:.0f} | {_f(o and o['transient_mib'], '.0f')} |"
             )
         text += "\n\n" + "\n".join(lines)
-    stored = [r for r in ours if r["mode"] == "cached" and not r["ckpt"] and r["zero"] in (0, None)]
+    stored = [
+        r
+        for r in ours
+        if r["mode"] == "cached" and not r["ckpt"] and r["zero"] in (0, None) and r["coalesce"] == "off"
+    ]
     if stored:
         lines = [
             "| model | W | m | k | N | embedding cache (fp32 leaves + stored embeddings + RNG) | inputs held "
@@ -970,11 +1007,47 @@ def markdown_tables(rows: Sequence[dict[str, Any]]) -> str:
                 f"{o} {v[0]} ({_fmt_bytes(v[1])})" for o, v in sorted(r["engine_collectives"].items())
             )
             lines.append(
-                f"| {r['model']} | {r['zero']} | {r['mode']} | {r['k']} | {ag[0]}, {_fmt_bytes(ag[1])} | "
+                f"| {r['model']} | {r['zero']} | {_mode_label(r)} | {r['k']} | {ag[0]}, {_fmt_bytes(ag[1])} | "
                 f"{other or '–'} | {eng or '–'} | {_f(r['grad_reduction_passes'])} |"
             )
         text += "\n\n" + "\n".join(lines)
+    coalesced = coalesce_table(ours)
+    if coalesced:
+        text += "\n\n" + coalesced
     return text
+
+
+def _mode_label(r: dict[str, Any]) -> str:
+    return r["mode"] + (" (coalesced)" if r["coalesce"] == "on" else "")
+
+
+def coalesce_table(ours: Sequence[dict[str, Any]]) -> str:
+    """--coalesce-grad-reduction off vs on, per (model, W, ZeRO, k) of the cached step: gradient reduction
+    passes, peak memory and time per step. Empty when no engine ran with it on."""
+    cells = {
+        (r["model"], r["W"], r["zero"], r["k"], r["coalesce"]): r
+        for r in ours
+        if r["mode"] == "cached" and not r["ckpt"]
+    }
+    if not any(key[-1] == "on" for key in cells):
+        return ""
+    lines = [
+        "| model | W | ZeRO | k | gradient reductions off → on | peak MiB off → on | best s/step off → on | "
+        "median ms/sample off → on |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for model, w, zero, k in sorted({key[:4] for key in cells}, key=lambda t: (t[0], t[1], t[2] or 0, t[3])):
+        off, on = cells.get((model, w, zero, k, "off")), cells.get((model, w, zero, k, "on"))
+
+        def pair(key: str, spec: str, off=off, on=on, zero=zero) -> str:
+            b = _f(on and on[key], spec) if zero else "(ZeRO-0: off only)"
+            return f"{_f(off and off[key], spec)} → {b}"
+
+        lines.append(
+            f"| {model} | {w} | {zero} | {k} | {pair('grad_reduction_passes', '.2f')} | "
+            f"{pair('peak_mib', '.0f')} | {pair('step_s', '.2f')} | {pair('median_ms_per_sample', '.1f')} |"
+        )
+    return "\n".join(lines)
 
 
 def plot(rows: Sequence[dict[str, Any]], img_dir: Path) -> list[Path]:
@@ -985,7 +1058,7 @@ def plot(rows: Sequence[dict[str, Any]], img_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     img_dir.mkdir(parents=True, exist_ok=True)
-    w1 = [r for r in rows if r["W"] == 1]
+    w1 = [r for r in rows if r["W"] == 1 and r["coalesce"] == "off"]
     models = sorted(
         {r["model"] for r in w1}, key=lambda n: next(r["params_m"] for r in w1 if r["model"] == n)
     )
@@ -1093,6 +1166,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, nargs="+", default=d.accum_freqs, help="--accum-freq values")
     p.add_argument("--world-sizes", type=int, nargs="+", default=d.world_sizes, help="W, local ranks")
     p.add_argument("--zero-stages", type=int, nargs="+", default=d.zero_stages)
+    p.add_argument("--coalesce", nargs="+", default=d.coalesce, metavar="{off,on}",
+                   help="--coalesce-grad-reduction values, one engine each (on: ZeRO 1-3 only)")  # fmt: skip
     p.add_argument("--grad-checkpointing", choices=["off", "on", "both"], default=d.grad_checkpointing)
     p.add_argument("--precision", choices=["fp32", "bf16"], default=d.precision)
     p.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
@@ -1127,6 +1202,13 @@ def settings_from_args(a: argparse.Namespace) -> BenchSettings:
     bad = [z for z in a.zero_stages if z not in (0, 1, 2, 3)]
     if bad:
         raise BenchError(f"--zero-stages must be 0, 1, 2 or 3, got {bad[0]}")
+    bad_c = [c for c in a.coalesce if c not in ("off", "on")]
+    if bad_c:
+        raise BenchError(f"--coalesce must be off or on, got {bad_c[0]!r}")
+    if a.coalesce == ["on"] and 0 in a.zero_stages:
+        raise BenchError(
+            "--coalesce on alone with --zero-stages 0: DeepSpeed coalesces on ZeRO 1-3 only; add off"
+        )
     if a.image_size is not None and a.image_size < 1:
         raise BenchError(f"--image-size must be >= 1, got {a.image_size}")
     if a.device == "cuda":
@@ -1150,6 +1232,7 @@ def settings_from_args(a: argparse.Namespace) -> BenchSettings:
         accum_freqs=list(a.k),
         world_sizes=list(a.world_sizes),
         zero_stages=list(a.zero_stages),
+        coalesce=list(dict.fromkeys(a.coalesce)),
         grad_checkpointing=a.grad_checkpointing,
         precision=a.precision,
         device=a.device,

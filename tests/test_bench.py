@@ -33,6 +33,8 @@ def _error(capsys, argv: list[str]) -> str:
         (["--warmup", "-1"], "--warmup"),
         (["--models", "no-such-model"], "--models"),
         (["--models", "ds-clip-tiny", "--image-size", "40"], "--image-size"),
+        (["--coalesce", "maybe"], "--coalesce"),
+        (["--coalesce", "on", "--zero-stages", "0"], "--coalesce"),
     ],
 )
 def test_bad_arguments_name_the_flag(capsys, argv, flag):
@@ -98,6 +100,32 @@ def test_tiny_run_w1_measures_every_mode_and_reports(tmp_path, capsys):
         "accum_peak_memory.png",
         "accum_time_per_sample.png",
     ]
+
+
+@pytest.mark.slow
+def test_coalesce_axis_runs_one_engine_each_and_reports_both(tmp_path, capsys):
+    """--coalesce off on: one engine per value, every mode measured on each, and the comms logger's
+    gradient reduction passes recorded: the cached step at k=2 reduces as often as the plain step (one
+    backward) with it on, twice as often with it off (ZeRO-2); --report renders the off -> on table again
+    from the saved JSON."""
+    out = tmp_path / "bench.json"
+    argv = ["--models", "ds-clip-tiny", "--image-size", "32", "--batch-size", "2", "--k", "2",
+            "--zero-stages", "2", "--coalesce", "off", "on", "--steps", "1", "--warmup", "0",
+            "--json", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    assert "gradient reductions off → on" in capsys.readouterr().out
+
+    rows = [bench.Measurement(**r) for r in json.loads(out.read_text())["measurements"]]
+    by = {(r.coalesce, r.mode, r.accum_freq): r for r in rows}
+    assert sorted(by) == [("off", "cached", 2), ("off", "plain", 1), ("on", "cached", 2), ("on", "plain", 1)]
+    plain = by[("off", "plain", 1)].grad_reduction_passes
+    assert plain > 0
+    assert by[("on", "plain", 1)].grad_reduction_passes == pytest.approx(plain)
+    assert by[("on", "cached", 2)].grad_reduction_passes == pytest.approx(plain)
+    assert by[("off", "cached", 2)].grad_reduction_passes == pytest.approx(2 * plain)
+
+    assert bench.main(["--report", str(out)]) == 0
+    assert "gradient reductions off → on" in capsys.readouterr().out
 
 
 def test_report_of_a_missing_file_is_a_clear_error(capsys, tmp_path):
