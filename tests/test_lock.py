@@ -103,7 +103,9 @@ def test_what_a_tower_refuses_is_a_user_error_naming_the_flag(tmp_path):
 
 # ------------------------------------------------------------------------------------- on the engine
 
-# (ZeRO stage, offload, precision, which tower is locked)
+# (ZeRO stage, offload, precision, which tower is locked). "image2-ckpt": --lock-image
+# --lock-image-unlocked-groups 2 with --grad-checkpointing (the last block, ln_post and proj train).
+PARTIAL = "image2-ckpt"
 ENGINE_CASES = [
     (0, False, "fp32", "image"),
     (1, False, "fp32", "image"),
@@ -113,6 +115,8 @@ ENGINE_CASES = [
     (3, True, "fp32", "image"),
     (1, False, "bf16", "image"),
     (3, False, "fp32", "text"),
+    (2, False, "fp32", PARTIAL),
+    (3, False, "fp32", PARTIAL),
 ]
 
 
@@ -147,9 +151,11 @@ def _engine_runs(model: str, cases: list) -> list[dict]:
     for stage, offload, precision, tower in cases:
         spec = RunSpec(
             model=model, micro_batch_size=2, accum_freq=K, steps=STEPS, zero_stage=stage, offload=offload,
-            precision=precision, lock_image=tower == "image", lock_text=tower == "text",
+            precision=precision, lock_image=tower in ("image", PARTIAL), lock_text=tower == "text",
+            grad_checkpointing=tower == PARTIAL,
         )  # fmt: skip
-        s = parse_settings(train_argv(spec))
+        partial = ["--lock-image-unlocked-groups", "2"] if tower == PARTIAL else []
+        s = parse_settings(train_argv(spec) + partial)
         bundle = build_model_bundle(s)
         engine = build_engine(s, bundle, rank=rank, world_size=world, total_steps=FLAT_SCHEDULE_STEPS)
         engine, loss_fn = engine.engine, engine.loss_fn
@@ -206,13 +212,19 @@ def test_locked_parameters_never_change_and_hold_no_optimizer_state(case, engine
     export (fp32; bf16: to its bf16 rounding, which DeepSpeed applies to the whole module) before and after
     the steps, while every trainable one moved; the optimizer's state (summed over ranks: ZeRO partitions
     it) covers the trainable parameters only; a fully locked tower runs once per micro-batch (the cache
-    pass), the other twice (cache pass and recompute) except micro-batch 0, whose graph is kept."""
+    pass), the other twice (cache pass and recompute) except micro-batch 0, whose graph is kept. Partly
+    unlocked (--lock-image-unlocked-groups 2) under --grad-checkpointing: only the last block, ln_post and
+    proj of the image tower train, and both towers are recomputed."""
     _, weights = pretrained
     r = engine_runs[case]
     stage, _, precision, tower = case
-    prefix_locked = (lambda n: n.startswith("visual.")) if tower == "image" else (
-        lambda n: not n.startswith("visual.") and n != "logit_scale"
-    )  # fmt: skip
+    last = max(int(n.split(".")[3]) for n in r["before"] if n.startswith("visual.transformer.resblocks."))
+    unlocked = (f"visual.transformer.resblocks.{last}.", "visual.ln_post.", "visual.proj")
+    prefix_locked = {
+        "image": lambda n: n.startswith("visual."),
+        PARTIAL: lambda n: n.startswith("visual.") and not n.startswith(unlocked),
+        "text": lambda n: not n.startswith("visual.") and n != "logit_scale",
+    }[tower]
     expected_locked = sorted(n for n in r["before"] if prefix_locked(n))
     assert r["locked"] == expected_locked and expected_locked
     for name in r["locked"]:
@@ -233,6 +245,9 @@ def test_locked_parameters_never_change_and_hold_no_optimizer_state(case, engine
     assert trainable_numel <= r["state_elements"] < trainable_numel + min(locked_numel // 10, 4096), r[
         "state_elements"
     ]
+    if tower == PARTIAL:  # partly unlocked: both towers are recomputed (under activation checkpointing)
+        assert r["calls"] == {"image": STEPS * (2 * K - 1), "text": STEPS * (2 * K - 1)}
+        return
     frozen, live = ("image", "text") if tower == "image" else ("text", "image")
     assert r["calls"][frozen] == STEPS * K
     assert r["calls"][live] == STEPS * (2 * K - 1)
