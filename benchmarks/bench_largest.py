@@ -635,43 +635,60 @@ def markdown(trials: Sequence[Trial], settings: dict | None = None) -> str:
 
 
 def plot(trials: Sequence[Trial], path: Path, settings: dict | None = None) -> Path:
-    """Time per sample vs N per method (log-log), the largest N of each method starred; CLIP | SigLIP."""
+    """Time per sample vs N per method (log-log), the largest N of each method starred, the N that failed
+    crossed, and why in the corner; CLIP | SigLIP panels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator
 
     losses = [x for x in LOSSES if any(t.loss == x for t in trials)] or list(LOSSES)
-    fig, axes = plt.subplots(1, len(losses), figsize=(5.2 * len(losses), 4.0), dpi=80, squeeze=False)
+    fig, axes = plt.subplots(1, len(losses), figsize=(5.4 * len(losses), 4.4), dpi=80, squeeze=False)
+    handles = {}
     for ax, loss in zip(axes[0], losses):
+        notes = []
         for i, method in enumerate(METHODS):
             ok = sorted((t for t in trials if t.loss == loss and t.method == method and t.status == OK),
                         key=lambda t: t.n)  # fmt: skip
-            if not ok:
-                continue
-            color = f"C{i}"
-            ax.plot([t.n for t in ok], [1e3 * t.s_per_sample for t in ok], "o-", color=color,
-                    label=METHOD_LABELS[method])  # fmt: skip
             best, stop = largest(trials, method, loss)
+            color = f"C{i}"
+            if ok:
+                (line,) = ax.plot([t.n for t in ok], [1e3 * t.s_per_sample for t in ok], "o-", color=color)
+                handles[method] = line
             if best is not None:
-                ax.plot([best.n], [1e3 * best.s_per_sample], "*", color=color, ms=16, mec="k")
-                why = f"\n(2N: {stop.status})" if stop is not None else ""
-                ax.annotate(f"N={_fmt_n(best.n)}{why}", (best.n, 1e3 * best.s_per_sample),
-                            textcoords="offset points", xytext=(6, 6 + 14 * i), fontsize=7, color=color)  # fmt: skip
+                y = 1e3 * best.s_per_sample
+                ax.plot([best.n], [y], "*", color=color, ms=17, mec="k", zorder=5)
+                if stop is not None:  # the N that failed, at the height of the last one that trained
+                    ax.plot([stop.n], [y], "x", color=color, ms=9, mew=2)
+            if best is not None or stop is not None:
+                why = f" ({_fmt_n(stop.n)}: {stop.status})" if stop is not None else ""
+                notes.append((f"{method}: {_fmt_n(best.n) if best else 'none'}{why}", color))
+        for j, (text, color) in enumerate(notes):
+            ax.text(0.98, 0.04 + 0.07 * (len(notes) - 1 - j), text, transform=ax.transAxes, ha="right",
+                    fontsize=8, color=color)  # fmt: skip
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("global batch N (pairs per optimizer step), m fixed, k = N/m")
-        ax.set_title({"clip": "CLIP", "siglip": "SigLIP"}[loss], fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left")
-    axes[0][0].set_ylabel("ms per sample (timed step)")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _fmt_n(int(v)) if v >= 1 else f"{v:g}"))
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+        ax.margins(x=0.08, y=0.15)
+        ax.set_xlabel("global batch N (pairs per optimizer step; k = N/m)")
+        ax.set_title(
+            {"clip": "CLIP", "siglip": "SigLIP"}[loss] + ": largest N (×: the N that failed)", fontsize=10
+        )
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel("ms per sample (the timed step)")
+    fig.legend([handles[m] for m in METHODS if m in handles], [METHOD_LABELS[m] for m in METHODS if m in handles],
+               loc="lower center", ncol=3, fontsize=8, frameon=False)  # fmt: skip
     if settings:
         fig.suptitle(
-            f"largest N within {settings['memory_budget_gib']:g} GiB and {settings['time_cap_s']:g} s per step "
-            f"(m = {settings['micro_batch_size']}; star: largest N)",
-            fontsize=9,
+            f"The largest global batch within {settings['memory_budget_gib']:g} GiB (peak RSS) and "
+            f"{settings['time_cap_s']:g} s per optimizer step; one process, m = {settings['micro_batch_size']}",
+            fontsize=10,
         )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
