@@ -9,7 +9,8 @@ micro-batch m (k = N/m), for CLIP and for SigLIP:
 * ``tiled``: ``ds-clip-train --loss-impl tiled``: the same step, the loss in blocks of
   ``--tile-size`` (memory linear in N).
 
-Run from the repository root (the final measurement; hours on 2 CPU cores, see docs/benchmarks.md):
+Run from the repository root (the final measurement: about 2 hours on 2 CPU cores, on a machine with
+at least 18 GiB of free memory; see docs/benchmarks.md):
 
     PYTHONPATH=. python benchmarks/bench_largest.py --json docs/bench/largest_cpu.json \\
         --img docs/img/largest_batch.png
@@ -20,17 +21,19 @@ Quick look (a few minutes on 2 cores):
 
 Re-render the table and the plot from saved JSON, running nothing:
 
-    PYTHONPATH=. python benchmarks/bench_largest.py --report docs/bench/largest_cpu.json --img docs/img/largest_batch.png
+    PYTHONPATH=. python benchmarks/bench_largest.py --report docs/bench/largest_cpu.json \\
+        --img docs/img/largest_batch.png
 
 How it measures, and why that way:
 
 * Every trial (method, loss, N) runs in a fresh process, so its peak memory is its own. The parent polls
   the memory of the trial's whole process tree (VmRSS of the trainer plus the pages private to each
-  descendant, every ``--poll`` seconds: see ``tree_rss_bytes``) and kills the tree (its own session) as
-  soon as it exceeds ``--memory-budget``: "over memory budget". After the trial the peak is the larger of the polled
-  peak and ``os.wait4``'s ``ru_maxrss`` (exact, for the largest single process): a spike between two
-  polls still marks the trial over budget. The peak includes each trainer's start-up (torch, DeepSpeed or
-  open_clip_train imports, the model, the optimizer state): the smallest N shows that floor.
+  descendant, every ``--poll`` seconds: see ``tree_rss_bytes``) and kills the tree (its own session)
+  as soon as it exceeds ``--memory-budget``: "over memory budget". After the trial the peak is the
+  larger of the polled peak and ``os.wait4``'s ``ru_maxrss`` (exact, for the largest single process):
+  a spike between two polls still marks the trial over budget. The peak includes each trainer's
+  start-up (torch, DeepSpeed or open_clip_train imports, DeepSpeed's compiler probe, the model, the
+  optimizer state): the smallest N shows that floor, about 1 GiB.
 * Data loading runs in the training process for both trainers (``--workers 0``), and neither side pays
   for it in the timed step: ds_clip's loader hands the trainer a step's k micro-batches at once and the
   trainer's step time excludes it; open_clip's loader is wrapped so that it fetches a step's k
@@ -39,11 +42,12 @@ How it measures, and why that way:
 * The timed step is the last of ``--steps`` (default 2: the first pays one-time costs such as creating
   the optimizer state). ds_clip: the trainer's own logged step time (``step_time_s`` of its
   ``metrics.csv``, ds_clip/metrics.py, ``--log-every-n-steps 1``): ``Trainer._step``, i.e. the cached
-  step, the optimizer step and the temperature clamp. open_clip: from the moment the step's k
-  micro-batches are loaded to the return of ``optimizer.step`` (the clamp follows it). A step still
-  running ``--time-cap`` seconds after it began is killed: "over time cap". Start-up and data loading are
-  not capped per step; a trial whose whole wall time passes ``--setup-cap`` + steps × ``--time-cap`` is
-  killed as "over setup cap".
+  step, the optimizer step and the temperature clamp (``ds_clip.train.main`` runs in the trial, with
+  ``Trainer._step`` wrapped only to tell the watchdog when a step begins and ends). open_clip: from
+  the moment the step's k micro-batches are loaded to the return of ``optimizer.step`` (the clamp
+  follows it). A step still running ``--time-cap`` seconds after it began is killed: "over time cap".
+  Start-up and data loading are not capped per step; a trial whose whole wall time passes
+  ``--setup-cap`` + steps × ``--time-cap`` is killed as "over setup cap".
 * A trial that dies by itself (an exception, the kernel's OOM killer) is a "crash", with the tail of its
   log. For each (loss, method) the doubling stops at the first trial that is not "ok"; the methods run
   interleaved at each N so that machine load drifts alike for all of them.
@@ -680,12 +684,14 @@ def plot(trials: Sequence[Trial], path: Path, settings: dict | None = None) -> P
         )
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel("ms per sample (the timed step)")
-    fig.legend([handles[m] for m in METHODS if m in handles], [METHOD_LABELS[m] for m in METHODS if m in handles],
-               loc="lower center", ncol=3, fontsize=8, frameon=False)  # fmt: skip
+    shown = [m for m in METHODS if m in handles]
+    fig.legend([handles[m] for m in shown], [METHOD_LABELS[m] for m in shown], loc="lower center", ncol=3,
+               fontsize=8, frameon=False)  # fmt: skip
     if settings:
         fig.suptitle(
             f"The largest global batch within {settings['memory_budget_gib']:g} GiB (peak RSS) and "
-            f"{settings['time_cap_s']:g} s per optimizer step; one process, m = {settings['micro_batch_size']}",
+            f"{settings['time_cap_s']:g} s per optimizer step; one process, "
+            f"m = {settings['micro_batch_size']}",
             fontsize=10,
         )
     fig.tight_layout(rect=(0, 0.06, 1, 1))
@@ -738,7 +744,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between two RSS polls (default: %(default)s)")  # fmt: skip
     p.add_argument("--json", type=Path, default=None, help="write the trials here (after every trial)")
     p.add_argument("--resume", action="store_true",
-                   help="with --json: keep the trials already in that file (same settings), run the rest")  # fmt: skip
+                   help="with --json: keep the trials already in that file (same settings), "
+                   "run the rest")  # fmt: skip
     p.add_argument("--report", type=Path, default=None, metavar="JSON",
                    help="render the tables (and --img) from a saved --json file; runs nothing")  # fmt: skip
     p.add_argument("--img", type=Path, default=None, metavar="PNG", help="write the plot here")
@@ -769,8 +776,8 @@ def settings_from_args(a: argparse.Namespace) -> LargestSettings:
     total_gib = _meminfo_gib("MemTotal")
     if total_gib is not None and a.memory_budget > total_gib:
         raise BenchError(
-            f"--memory-budget {a.memory_budget:g} GiB is more than this machine's memory ({total_gib:.1f} GiB): "
-            "the kernel would kill the trials first"
+            f"--memory-budget {a.memory_budget:g} GiB is more than this machine's memory "
+            f"({total_gib:.1f} GiB): the kernel would kill the trials first"
         )
     if "open_clip" in a.methods:
         import importlib.util
@@ -841,7 +848,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     avail = _meminfo_gib("MemAvailable")
     if avail is not None and s.memory_budget_gib > avail:
         print(f"[largest] warning: --memory-budget {s.memory_budget_gib:g} GiB > available memory "
-              f"{avail:.1f} GiB: the kernel may kill a trial before the budget does", file=sys.stderr)  # fmt: skip
+              f"{avail:.1f} GiB: the kernel may kill a trial before the budget does",
+              file=sys.stderr)  # fmt: skip
     info = machine_info("cpu")
     argv_list = list(argv if argv is not None else sys.argv[1:])
     t0 = time.monotonic()
