@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         # One file holds several configurations, keyed by model, m, k and stage (a rerun replaces its own).
         label = f"{args.model}-m{args.batch_size}-k{args.accum_freq}-z{args.zero_stage}"
+        label += "-warm-cache" if args.warm_cache else "-cold-cache"
         saved = json.loads(args.json.read_text()) if args.json.exists() else {}
         saved[label] = record
         args.json.write_text(json.dumps(saved, indent=1) + "\n")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -256,3 +257,8 @@ def compile_engine(engine) -> None:
     # inductor options apply to the inductor backend only (an accelerator may name another backend).
     kwargs = {"options": {"fallback_random": True}} if backend == "inductor" else {}
     engine.compile(backend=backend, compile_kwargs=kwargs)
+    logging.getLogger("ds_clip").info(
+        "--torchcompile: model compiled with torch.compile backend %s%s; the first step pays the compile",
+        backend,
+        " (fallback_random: eager's random numbers)" if kwargs else "",
+    )
