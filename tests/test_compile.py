@@ -7,17 +7,26 @@ Both compiled engines trace the same graphs, so the second one reuses inductor's
 
 from __future__ import annotations
 
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from ds_clip.testing import (
     ADAM,
+    CONFIGS,
     M,
     RunSpec,
     oracle_errors,
     oracle_first_step,
     run_many,
     spawn_group,
-    write_model_dirs,
+    train_argv,
 )
 
 STAGES = (0, 2)
@@ -48,7 +57,12 @@ def run_and_count(specs):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, str]:
-    return write_model_dirs(tmp_path_factory.mktemp("models"))
+    """The harness's patch-dropout ViT with open_clip's full vocabulary, so that ds-clip-train's own data
+    (open_clip's tokenizer) fits it too and the launcher run reuses the group's compiled graphs."""
+    root = tmp_path_factory.mktemp("models")
+    cfg = {**CONFIGS["vit"], "text_cfg": {**CONFIGS["vit"]["text_cfg"], "vocab_size": 49408}}
+    (root / "open_clip_config.json").write_text(json.dumps({"model_cfg": cfg, "preprocess_cfg": {}}))
+    return {"vit": f"local-dir:{root}"}
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +138,34 @@ def test_torchcompile_is_off_by_default():
 
     assert parse_settings([]).model.torchcompile is False
     assert parse_settings(["--torchcompile"]).model.torchcompile is True
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ds_clip_train_compiled_under_the_deepspeed_launcher(group, models, tmp_path):
+    """`deepspeed --num_gpus 2 --module ds_clip.train --torchcompile` on ZeRO-2 trains 2 steps, logs the
+    compile and a finite loss per step, then `--resume latest` continues uncompiled from its checkpoint (a
+    compiled run saves the plain model's names). Same model and shapes as the group above, so inductor
+    reuses the kernels it compiled there (its cache is per user) instead of compiling again."""
+    venv_bin = Path(sys.executable).parent
+    env = {
+        **os.environ,
+        "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
+        "OMP_NUM_THREADS": "1",
+    }
+    base = train_argv(_spec(models, 2, True))
+    run = ["--logs", str(tmp_path), "--name", "compiled", "--log-every-n-steps", "1", "--report-to", "csv"]
+    launch = ["deepspeed", "--num_gpus", "2", "--module", "ds_clip.train"]
+    proc = subprocess.run([*launch, *base, *run, "--max-steps", "2"], env=env, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "--torchcompile: model compiled" in out
+    with open(tmp_path / "compiled" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [1, 2] and all(math.isfinite(float(r["loss"])) for r in rows)
+    eager = [a for a in base if a != "--torchcompile"]
+    proc = subprocess.run([*launch, *eager, *run, "--max-steps", "3", "--resume", "latest"], env=env,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "at step 2" in out, out[-4000:]
