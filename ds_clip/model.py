@@ -179,6 +179,20 @@ def frozen_towers(model: nn.Module) -> tuple[bool, bool]:
     return (bool(image) and not any(image)), (bool(text) and not any(text))
 
 
+def check_tokenizer_fits(model: nn.Module, tokenizer: Any, model_name: str) -> None:
+    """Refuse a text tower whose vocabulary is smaller than its tokenizer's: every caption would index past
+    the token embedding, which fails deep in torch (eager) or in a compiled kernel (--torchcompile)."""
+    text = getattr(model, "text", model)  # CustomTextCLIP keeps the text tower in .text
+    embedding = getattr(model, "token_embedding", None) or getattr(text, "token_embedding", None)
+    ids = getattr(tokenizer, "vocab_size", None)
+    if isinstance(embedding, nn.Embedding) and isinstance(ids, int) and embedding.num_embeddings < ids:
+        raise ModelError(
+            f"--model {model_name}: the text tower has {embedding.num_embeddings} token embeddings but its "
+            f"tokenizer ({type(tokenizer).__name__}) produces ids up to {ids - 1}: set text_cfg.vocab_size to "
+            f"at least {ids}, or name a matching tokenizer (text_cfg.hf_tokenizer_name)"
+        )
+
+
 def prepare_for_deepspeed(model: nn.Module) -> list[str]:
     """Make an open_clip model safe for a multi-rank DeepSpeed engine; returns the reshaped names."""
     reshaped: list[str] = []

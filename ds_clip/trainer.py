@@ -27,6 +27,7 @@ from ds_clip.engine import build_engine, build_model_bundle
 from ds_clip.errors import RunError
 from ds_clip.evaluate import Evaluator
 from ds_clip.metrics import MetricsWriter, StepMeter
+from ds_clip.model import check_tokenizer_fits
 from ds_clip.preemption import StopRequest
 from ds_clip.step import StepResult, cached_step, micro_batch_seed
 
@@ -110,6 +111,7 @@ class Trainer:
         logging.getLogger("ds_clip").setLevel(logging.INFO if info.is_main else logging.WARNING)
 
         self.bundle = bundle = build_model_bundle(s)
+        check_tokenizer_fits(bundle.model, bundle.tokenizer, s.model.model)  # the data is tokenized by it
         shapes = checkpoint.param_shapes(
             bundle.model
         )  # checked against a checkpoint before DeepSpeed loads it

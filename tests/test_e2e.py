@@ -155,3 +155,20 @@ def test_conflicting_json_names_key_and_flag(tmp_path):
     proc = _bad("--ds-config", str(cfg))
     assert proc.returncode == 2
     assert "gradient_accumulation_steps" in proc.stderr and "--accum-freq" in proc.stderr
+
+
+def test_text_tower_smaller_than_its_tokenizer_is_exit_2(tmp_path):
+    """A local-dir: model whose text_cfg.vocab_size is below its tokenizer's ids (open_clip's 49408) is
+    refused by name before the first step, instead of an index error inside the embedding (or a compiled
+    kernel's out-of-bounds abort under --torchcompile)."""
+    from ds_clip.testing import CONFIGS
+
+    (tmp_path / "small_vocab").mkdir()
+    (tmp_path / "small_vocab" / "open_clip_config.json").write_text(
+        json.dumps({"model_cfg": CONFIGS["vit"], "preprocess_cfg": {}})
+    )
+    model = f"local-dir:{tmp_path / 'small_vocab'}"
+    proc = _bad("--model", model, "--logs", str(tmp_path / "logs"), "--max-steps", "1", "--workers", "0")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert "64 token embeddings" in proc.stderr and "text_cfg.vocab_size" in proc.stderr, proc.stderr[-2000:]
