@@ -15,7 +15,7 @@ ruff format --check ds_clip tests benchmarks scripts
 # Import layers and no cycles (pyproject.toml [tool.importlinter]).
 lint-imports
 set +e
-python -m pytest -ra "$@"
+python -m pytest -ra --durations=25 "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
