@@ -858,7 +858,6 @@ def validate(s: TrainSettings) -> None:
         _check_pretrained(s.model.pretrained)
     _check_model(s.model)
     check_model_flags(s.model)
-    _check_torchcompile(s)
     # resume
     if ck.resume == "latest":
         _need(lg.name is not None, "--resume latest needs --name of the run to continue")
@@ -918,25 +917,6 @@ def _check_model(m: ModelSettings) -> None:
             f"--model {m.model!r} is unknown: use {', '.join(BUILTIN_MODELS)}, an open_clip model name "
             "(open_clip.list_models()), or local-dir:PATH"
         )
-
-
-def _check_torchcompile(s: TrainSettings) -> None:
-    """--torchcompile runs on ZeRO 0-2 only. Under ZeRO-3, DeepSpeed 0.19.8's engine.compile traces the model
-    with its partitioned parameters (ZeRO-3's gather hooks do not run inside the traced forward): dynamo
-    fails on the empty shards ("b must be 2D" in attention). ds_clip.model.compile_engine refuses it too."""
-    if not s.model.torchcompile:
-        return
-    from ds_clip.presets import load_preset
-
-    stage = s.dist.zero_stage
-    if stage is None:  # the preset's stage (ds_config: default preset zero1_<precision>, stage 0 if unset)
-        preset = load_preset(s.dist.ds_config or f"zero1_{s.dist.precision}")
-        stage = preset.get("zero_optimization", {}).get("stage", 0)
-    _need(
-        stage != 3,
-        "--torchcompile does not work with ZeRO stage 3 (DeepSpeed 0.19.8 compiles the model with its "
-        "partitioned, empty parameters): use --zero-stage 0, 1 or 2, or drop --torchcompile",
-    )
 
 
 def check_model_flags(m: ModelSettings) -> None:

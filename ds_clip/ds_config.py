@@ -154,6 +154,14 @@ def _resolve(s: TrainSettings, world_size: int | None) -> tuple[dict[str, Any], 
     stage = zero["stage"]
     if stage not in (0, 1, 2, 3):
         raise SettingsError(f"zero_optimization.stage={_js(stage)} in {label} must be 0, 1, 2 or 3")
+    if s.model.torchcompile and stage == 3:
+        # DeepSpeed 0.19.8's engine.compile traces the model with ZeRO-3's partitioned parameters (its gather
+        # hooks do not run inside the traced forward): dynamo fails on the empty shards ("b must be 2D").
+        source = "--zero-stage" if dist.zero_stage is not None else label
+        raise SettingsError(
+            f"--torchcompile does not work with ZeRO stage 3 (from {source}; DeepSpeed 0.19.8 compiles the "
+            "model with its partitioned, empty parameters): use --zero-stage 0, 1 or 2, or drop --torchcompile"
+        )
 
     offload: dict[str, str] = {}
     for key in ("offload_optimizer", "offload_param"):

@@ -256,17 +256,11 @@ def compile_engine(engine) -> None:
     and evaluation each compile once, and the step's one-tower calls (a locked tower) once more each;
     all within dynamo's recompile limit. Shapes are static: the loaders drop partial batches.
 
-    ZeRO-3 is refused (ModelError, and earlier in config.validate): 0.19.8 traces the module with its
-    partitioned parameters, which are empty outside ZeRO-3's gather hooks.
+    ZeRO-3 is refused where the preset is resolved (ds_config, so before any process starts): 0.19.8 traces
+    the module with its partitioned parameters, which are empty outside ZeRO-3's gather hooks.
     """
     from deepspeed.accelerator import get_accelerator
 
-    if engine.zero_optimization_partition_weights():
-        # config.validate refuses it first; this guards callers that build engines themselves.
-        raise ModelError(
-            "--torchcompile does not work with ZeRO stage 3 (DeepSpeed 0.19.8 compiles the model with its "
-            "partitioned, empty parameters): use --zero-stage 0, 1 or 2, or drop --torchcompile"
-        )
     backend = get_accelerator().get_compile_backend()
     # inductor options apply to the inductor backend only (an accelerator may name another backend).
     kwargs = {"options": {"fallback_random": True}} if backend == "inductor" else {}
