@@ -1,0 +1,127 @@
+"""Where one optimizer step's time goes: a torch.profiler table of the top operators, for ds_clip's trainer
+and open_clip's, run as users run them (their own entry points, their own defaults unless flags say other).
+
+    python benchmarks/profile_step.py ds_clip -- --model ViT-B-32 --force-image-size 64 --batch-size 4
+    python benchmarks/profile_step.py ds_clip -- --model ViT-B-32 --force-image-size 64 --batch-size 4 --zero-stage 0
+    python benchmarks/profile_step.py open_clip -- --model ViT-B-32 --force-image-size 64 --batch-size 4
+    python benchmarks/profile_step.py ds_clip --json out.json --row-limit 25 -- ...   # also save the rows
+
+Everything after ``--`` goes to the trainer unchanged, plus what both need to run a short synthetic job here
+(ds_clip: --max-steps, --logs; open_clip: --dataset-type synthetic, --train-num-samples, --epochs 1,
+--device cpu on a CPU machine, --logs). One process, one thread (``--threads``).
+
+How a "step" is cut out of a trainer that owns its loop: a global optimizer-step post-hook
+(``torch.optim.optimizer.register_optimizer_step_post_hook``) fires once per optimizer step in both trainers
+(DeepSpeed calls the torch optimizer inside ``engine.step()``); it advances the profiler's schedule, so the
+active window is exactly one optimizer period (from the end of one optimizer step to the end of the next:
+forward/backward passes, gradient bookkeeping, the optimizer), after ``--skip`` untimed periods that pay the
+one-time costs. The table is torch.profiler's ``key_averages()`` sorted by self CPU time (CUDA time on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+
+def _trainer_argv(trainer: str, user: list[str], steps: int, logs: str) -> list[str]:
+    if trainer == "ds_clip":
+        return [*user, "--max-steps", str(steps), "--logs", logs, "--log-every-n-steps", "1"]
+    import torch
+
+    batch = _value(user, "--batch-size", "64")
+    k = _value(user, "--accum-freq", "1")
+    extra = [
+        "--dataset-type", "synthetic", "--train-num-samples", str(int(batch) * int(k) * steps),
+        "--epochs", "1", "--logs", logs, "--log-every-n-steps", "1", "--save-frequency", "0",
+        "--zeroshot-frequency", "0", "--val-frequency", "0",
+    ]  # fmt: skip
+    if not torch.cuda.is_available():
+        extra += ["--device", "cpu"]
+    return [*user, *extra]
+
+
+def _value(argv: list[str], flag: str, default: str) -> str:
+    return argv[argv.index(flag) + 1] if flag in argv else default
+
+
+def profile(trainer: str, user_argv: list[str], *, skip: int, threads: int, row_limit: int):
+    """Run the trainer for skip + 1 optimizer steps (+1 to close the window) and profile one of them."""
+    import torch
+    from torch.profiler import ProfilerActivity, schedule
+
+    torch.set_num_threads(threads)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = torch.profiler.profile(
+        activities=activities, schedule=schedule(wait=skip - 1, warmup=1, active=1, repeat=1), record_shapes=False
+    )
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    hook = register_optimizer_step_post_hook(lambda *_: prof.step())
+    logs = tempfile.mkdtemp(prefix="ds_clip_profile_")
+    argv = _trainer_argv(trainer, user_argv, skip + 2, logs)
+    prof.start()
+    try:
+        if trainer == "ds_clip":
+            from ds_clip.train import main
+
+            rc = main(argv)
+        else:
+            from open_clip_train.main import main
+
+            rc = main(argv)
+    finally:
+        prof.stop()
+        hook.remove()
+    if rc not in (None, 0):
+        raise SystemExit(f"{trainer} exited with {rc}")
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    averages = prof.key_averages()
+    table = averages.table(sort_by=sort, row_limit=row_limit)
+    total_us = sum(e.self_cpu_time_total for e in averages)
+    rows = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:row_limit]
+    data = {
+        "trainer": trainer,
+        "argv": user_argv,
+        "threads": threads,
+        "step_self_cpu_s": total_us / 1e6,
+        "top": [
+            {
+                "op": e.key,
+                "calls": e.count,
+                "self_cpu_s": e.self_cpu_time_total / 1e6,
+                "share": e.self_cpu_time_total / total_us if total_us else 0.0,
+            }
+            for e in rows
+        ],
+    }
+    return table, data
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    user = argv[argv.index("--") + 1 :] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("trainer", choices=("ds_clip", "open_clip"))
+    p.add_argument("--skip", type=int, default=2, help="untimed optimizer steps before the profiled one")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--row-limit", type=int, default=20)
+    p.add_argument("--json", type=Path, help="also write the top rows as JSON here")
+    args = p.parse_args(own)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    table, data = profile(args.trainer, user, skip=args.skip, threads=args.threads, row_limit=args.row_limit)
+    print(f"\n=== {args.trainer} {' '.join(user)}: one optimizer step, {data['step_self_cpu_s']:.3f} s self CPU")
+    print(table)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(data, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
