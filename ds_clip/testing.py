@@ -354,6 +354,13 @@ def _group_entry(rank: int, world_size: int, port: int, fn: Callable, args: tupl
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
+    # A spawned child inherits "spawn" as its default start method, so every DataLoader iterator here would
+    # start its workers as fresh interpreters (seconds each: torch, open_clip, deepspeed imported again).
+    # The launchers users run (deepspeed, torchrun, mpirun) start ranks as plain processes, whose
+    # DataLoaders fork their workers: do what they do.
+    import multiprocessing
+
+    multiprocessing.set_start_method("fork", force=True)
     from ds_clip.distributed import init_distributed
 
     init_distributed()
