@@ -3,7 +3,8 @@
 ``ds-clip-train`` is the trainer. To use its step in your own loop (README, "Use the step in your own
 loop"; ``examples/own_loop.py``)::
 
-    from ds_clip import ContrastiveLoss, LossSpec, cached_step, prepare_for_deepspeed, step_engine_config
+    from ds_clip import (ContrastiveLoss, LossSpec, cached_step, clamp_logit_scale, prepare_for_deepspeed,
+                         step_engine_config)
 
 The names below are imported on first use (PEP 562), so ``import ds_clip`` stays light: the settings and
 preset checks that run before any process starts import neither torch nor DeepSpeed.
@@ -24,6 +25,7 @@ _EXPORTS = {
     "LossSpec": "ds_clip.loss",
     "step_engine_config": "ds_clip.ds_config",
     "prepare_for_deepspeed": "ds_clip.model",
+    "clamp_logit_scale": "ds_clip.clamp",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -1,6 +1,5 @@
-"""ds_clip's exact step in your own loop: deepspeed --num_gpus 2 examples/own_loop.py [--out params.pt]
-Your model, DeepSpeed config, optimizer and data; each cached_step trains k micro-batches of M pairs per rank
-as one batch of N = W*k*M pairs (README, "Use the step in your own loop"; tested in tests/test_api.py)."""
+"""ds_clip's step in your own loop (README): deepspeed --num_gpus 2 examples/own_loop.py [--out params.pt]
+Your model, engine and data; cached_step trains k micro-batches x M pairs per rank as one N = W*k*M batch."""
 
 import argparse
 
@@ -8,10 +7,10 @@ import deepspeed
 import open_clip
 import torch
 
-from ds_clip import ContrastiveLoss, LossSpec, cached_step, prepare_for_deepspeed, step_engine_config
+import ds_clip
 
 M, LR = 4, 0.5  # pairs per micro-batch and rank; the optimizer's learning rate
-CONFIG = {  # your DeepSpeed config; its batch is one micro-batch (the step runs the k of a step)
+CONFIG = {  # your DeepSpeed config (its batch: one micro-batch); step_engine_config adds what the step needs
     "train_micro_batch_size_per_gpu": M,
     "zero_optimization": {"stage": 2},
     "zero_allow_untested_optimizer": True,  # a torch optimizer of your own under ZeRO
@@ -39,16 +38,17 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int)  # appended by the deepspeed launcher
     args = parser.parse_args()
     model = build_model()
-    prepare_for_deepspeed(model)  # 0-dim logit_scale breaks DeepSpeed's start-up broadcast on > 1 rank
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)  # SGD: each update is the gradient itself
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=step_engine_config(CONFIG))
+    ds_clip.prepare_for_deepspeed(model)  # 0-dim logit_scale breaks DeepSpeed's broadcast on > 1 rank
+    opt = torch.optim.SGD(model.parameters(), lr=LR)  # your optimizer (SGD: the update is the gradient)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_clip.step_engine_config(CONFIG))
     rank, world, k = engine.global_rank, engine.world_size, args.accum_freq
-    loss_fn = ContrastiveLoss(LossSpec(), rank=rank, world_size=world)  # CLIP loss over all N pairs
-    engine.train()
+    loss_fn = ds_clip.ContrastiveLoss(ds_clip.LossSpec(), rank=rank, world_size=world)  # CLIP, all N pairs
     for step in range(args.steps):
         ids = [rank * k + j for j in range(k)]  # this rank's global micro-batches
         seeds = [1000 * step + g for g in ids]  # dropout draws by global micro-batch, whatever W and k
-        result = cached_step(engine, [micro_batch(step, g) for g in ids], loss_fn, micro_batch_seeds=seeds)
+        batches = [micro_batch(step, g) for g in ids]
+        result = ds_clip.cached_step(engine, batches, loss_fn, micro_batch_seeds=seeds)
+        ds_clip.clamp_logit_scale(engine)  # open_clip's temperature clamp, in every copy DeepSpeed keeps
         if rank == 0:
             print(f"step {step + 1}: loss {result.loss.item():.4f} over {world * k * M} pairs", flush=True)
     if args.out and rank == 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import subprocess
@@ -39,13 +40,14 @@ def test_import_ds_clip_stays_light_and_exports_the_step():
     code = """
 import sys, ds_clip
 heavy = sorted(m for m in ("torch", "deepspeed", "open_clip") if m in sys.modules)
-from ds_clip import (ContrastiveLoss, LossSpec, StepResult, cached_step, prepare_for_deepspeed,
-                     step_engine_config)
-import ds_clip.ds_config, ds_clip.loss, ds_clip.model, ds_clip.step
+from ds_clip import (ContrastiveLoss, LossSpec, StepResult, cached_step, clamp_logit_scale,
+                     prepare_for_deepspeed, step_engine_config)
+import ds_clip.clamp, ds_clip.ds_config, ds_clip.loss, ds_clip.model, ds_clip.step
 same = [cached_step is ds_clip.step.cached_step, StepResult is ds_clip.step.StepResult,
         ContrastiveLoss is ds_clip.loss.ContrastiveLoss, LossSpec is ds_clip.loss.LossSpec,
         step_engine_config is ds_clip.ds_config.step_engine_config,
-        prepare_for_deepspeed is ds_clip.model.prepare_for_deepspeed]
+        prepare_for_deepspeed is ds_clip.model.prepare_for_deepspeed,
+        clamp_logit_scale is ds_clip.clamp.clamp_logit_scale]
 try:
     ds_clip.no_such_name
     missing = "no error"
@@ -58,7 +60,7 @@ print(heavy, same, set(ds_clip.__all__) <= set(dir(ds_clip)), missing)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == (
-        f"[] {[True] * 6} True module 'ds_clip' has no attribute 'no_such_name'"
+        f"[] {[True] * 7} True module 'ds_clip' has no attribute 'no_such_name'"
     ), proc.stdout
 
 
@@ -128,7 +130,7 @@ def _load_example():
 def _oracle(example, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The example's model, data and optimizer in ONE process: every step embeds all W*k global micro-batches
     (each with the seed the example gives it, so patch dropout draws the same patches), open_clip's own
-    ClipLoss on the whole batch, backward, the same SGD step."""
+    ClipLoss on the whole batch, backward, the same SGD step and temperature clamp."""
     from open_clip.loss import ClipLoss
 
     model = example.build_model().train()
@@ -145,6 +147,7 @@ def _oracle(example, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        model.logit_scale.data.clamp_(0, math.log(100))  # open_clip's clamp, as the example applies it
         losses.append(float(loss.detach()))
     return {n: t.detach().clone() for n, t in model.state_dict().items()}, losses
 
