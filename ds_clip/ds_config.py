@@ -326,8 +326,8 @@ def step_engine_config(config: dict[str, Any], *, coalesce: bool = False) -> dic
     gas = cfg.get("gradient_accumulation_steps", 1)
     if not _same(gas, 1):
         raise SettingsError(
-            f"gradient_accumulation_steps={_js(gas)} in {label}: cached_step accumulates exactly itself; "
-            "set it to 1 and pass the k micro-batches of a step to cached_step"
+            f"gradient_accumulation_steps={_js(gas)} in {label}: cached_step runs the k micro-batches of a step "
+            "itself (exactly); set it to 1 and pass them to cached_step"
         )
     cfg["gradient_accumulation_steps"] = 1
     if "train_batch_size" in cfg and "train_micro_batch_size_per_gpu" in cfg:
@@ -336,12 +336,15 @@ def step_engine_config(config: dict[str, Any], *, coalesce: bool = False) -> dic
             "is one micro-batch per rank; keep train_micro_batch_size_per_gpu (m) alone, DeepSpeed derives "
             "train_batch_size = m x world size"
         )
-    zero = cfg.get("zero_optimization") or {}
+    for key in ("zero_optimization", "bf16", "bfloat16", "fp16"):
+        if not isinstance(cfg.get(key, {}), dict):
+            raise SettingsError(f"{key} in {label} must be a JSON object")
+    zero = cfg.get("zero_optimization", {})
     stage = zero.get("stage", 0)
     offload_opt = (zero.get("offload_optimizer") or {}).get("device", "none")
 
     def enabled(key: str) -> bool:
-        return bool((cfg.get(key) or {}).get("enabled", False))
+        return bool(cfg.get(key, {}).get("enabled", False))
 
     precision = "bf16" if enabled("bf16") or enabled("bfloat16") else ("fp16" if enabled("fp16") else "fp32")
     if precision == "fp16" and stage == 0:

@@ -100,6 +100,7 @@ def test_step_engine_config_sets_the_step_keys_and_keeps_the_rest():
             ["train_batch_size=32", "train_micro_batch_size_per_gpu"],
         ),
         ({"fp16": {"enabled": True}}, False, ["fp16", "ZeRO stage 0"]),
+        ({"zero_optimization": 2}, False, ["zero_optimization", "JSON object"]),
         ({"zero_optimization": {"stage": 0}}, True, ["coalesce=True", "ZeRO stage 0"]),
         (
             {"zero_optimization": {"stage": 2}, "managed_gradient_accumulation": False},
@@ -113,6 +114,7 @@ def test_step_engine_config_sets_the_step_keys_and_keeps_the_rest():
         "allreduce-sum",
         "train-batch-size",
         "fp16-zero0",
+        "zero-not-object",
         "coalesce-zero0",
         "coalesce-unmanaged",
     ],
