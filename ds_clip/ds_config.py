@@ -62,21 +62,25 @@ def _conflict(key: str, value: Any, label: str, flag: str, flag_value: Any) -> S
     return SettingsError(f"{key}={_js(value)} in {label} conflicts with {flag} {flag_value}")
 
 
-def _step_conflict(key: str, value: Any, label: str, expected: Any) -> SettingsError:
+def _step_conflict(
+    key: str, value: Any, label: str, expected: Any, via: str = "--accum-freq"
+) -> SettingsError:
     return SettingsError(
         f"{key}={_js(value)} in {label} conflicts with ds_clip's accumulation step "
-        f"(needs {_js(expected)}; --accum-freq): remove it"
+        f"(needs {_js(expected)}; {via}): remove it"
     )
 
 
-def _merge_step_keys(cfg: dict[str, Any], required: dict[str, Any], label: str, prefix: str = "") -> None:
+def _merge_step_keys(
+    cfg: dict[str, Any], required: dict[str, Any], label: str, prefix: str = "", via: str = "--accum-freq"
+) -> None:
     """Deep-merge STEP_ENGINE_KEYS into cfg; a preset leaf with another value is an error."""
     for key, value in required.items():
         if isinstance(value, dict) and isinstance(cfg.get(key), dict):
-            _merge_step_keys(cfg[key], value, label, f"{prefix}{key}.")
+            _merge_step_keys(cfg[key], value, label, f"{prefix}{key}.", via)
             continue
         if key in cfg and not _same(cfg[key], value):
-            raise _step_conflict(prefix + key, cfg[key], label, value)
+            raise _step_conflict(prefix + key, cfg[key], label, value, via)
         cfg[key] = copy.deepcopy(value)
 
 
@@ -303,6 +307,64 @@ def resolve_ds_config(s: TrainSettings, world_size: int) -> dict[str, Any]:
     return _resolve(s, world_size)[0]
 
 
+def step_engine_config(config: dict[str, Any], *, coalesce: bool = False) -> dict[str, Any]:
+    """Your own DeepSpeed config, made fit for ``ds_clip.cached_step`` in your own loop (a new dict).
+
+    The engine's batch is one micro-batch of m pairs per rank (``train_micro_batch_size_per_gpu``); the step
+    runs the k micro-batches of an optimizer step itself. So the result has ``gradient_accumulation_steps``
+    1 and ``STEP_ENGINE_KEYS`` merged in (managed accumulation off: each ``engine.backward`` accumulates,
+    ``engine.step()`` is the one boundary); with ``coalesce=True``, ``COALESCE_ENGINE_KEYS`` instead (one
+    gradient reduction per step, ZeRO 1-3, as ``--coalesce-grad-reduction on``). Everything else (optimizer,
+    scheduler, ZeRO, precision, clipping) stays yours. Refused with a ``SettingsError`` naming the key:
+    ``gradient_accumulation_steps`` other than 1, ``train_batch_size`` next to
+    ``train_micro_batch_size_per_gpu`` (DeepSpeed derives it as m x world size), a step key or
+    ``gradient_allreduce_op`` with another value than the step needs, fp16 on ZeRO stage 0, and
+    ``coalesce=True`` where DeepSpeed cannot coalesce.
+    """
+    label, via = "your DeepSpeed config", "ds_clip.cached_step"
+    cfg = copy.deepcopy(config)
+    gas = cfg.get("gradient_accumulation_steps", 1)
+    if not _same(gas, 1):
+        raise SettingsError(
+            f"gradient_accumulation_steps={_js(gas)} in {label}: cached_step runs the k micro-batches of a step "
+            "itself (exactly); set it to 1 and pass them to cached_step"
+        )
+    cfg["gradient_accumulation_steps"] = 1
+    if "train_batch_size" in cfg and "train_micro_batch_size_per_gpu" in cfg:
+        raise SettingsError(
+            f"train_batch_size={_js(cfg['train_batch_size'])} in {label}: with cached_step the engine's batch "
+            "is one micro-batch per rank; keep train_micro_batch_size_per_gpu (m) alone, DeepSpeed derives "
+            "train_batch_size = m x world size"
+        )
+    for key in ("zero_optimization", "bf16", "bfloat16", "fp16"):
+        if not isinstance(cfg.get(key, {}), dict):
+            raise SettingsError(f"{key} in {label} must be a JSON object")
+    zero = cfg.get("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    offload_opt = (zero.get("offload_optimizer") or {}).get("device", "none")
+
+    def enabled(key: str) -> bool:
+        return bool(cfg.get(key, {}).get("enabled", False))
+
+    precision = "bf16" if enabled("bf16") or enabled("bfloat16") else ("fp16" if enabled("fp16") else "fp32")
+    if precision == "fp16" and stage == 0:
+        raise SettingsError(
+            f"fp16 with ZeRO stage 0 in {label}: DeepSpeed 0.19.x gives updates ~loss-scale times too small "
+            "there (upstream PR #8393 open); use bf16 or ZeRO stage 1, 2 or 3"
+        )
+    required = dict(STEP_ENGINE_KEYS)
+    if coalesce:
+        blocker = _coalesce_blocker(cfg, stage, precision, offload_opt, label)
+        if blocker is not None:
+            raise SettingsError(f"coalesce=True: {blocker}")
+        required.update(COALESCE_ENGINE_KEYS)
+    for key, expected in _GRADIENT_MEANING_DEFAULTS.items():
+        if key not in required and key in cfg and not _same(cfg[key], expected):
+            raise _step_conflict(key, cfg[key], label, expected, via)
+    _merge_step_keys(cfg, required, label, via=via)
+    return cfg
+
+
 def write_run_files(run_dir: Path, settings: dict[str, Any], ds_json: dict[str, Any]) -> None:
     """Write settings.json (`config.settings_to_dict`) and ds_config.json (indented) into the run folder.
     Rank 0 only."""
@@ -322,5 +384,6 @@ __all__ = [
     "load_preset",
     "preset_label",
     "resolve_ds_config",
+    "step_engine_config",
     "write_run_files",
 ]

@@ -45,7 +45,7 @@ from torch import nn
 
 from ds_clip import distributed
 from ds_clip.errors import UserError
-from ds_clip.loss import ContrastiveLoss
+from ds_clip.loss import ContrastiveLoss, LossConfigError
 from ds_clip.model import frozen_towers
 
 
@@ -157,6 +157,47 @@ def check_micro_batch_sizes(sizes: Sequence[int]) -> None:
         )
 
 
+class EngineConfigError(UserError):
+    """An engine or loss built in a way the step cannot train exactly (a user's own loop: ``step_engine_config``
+    and a ``ContrastiveLoss`` of this process group avoid it; ``ds-clip-train`` builds both right)."""
+
+
+def check_engine(engine, loss_fn: ContrastiveLoss) -> None:
+    """Refuse, before any forward, an engine config or loss that would train something else than the
+    full-batch gradient. Python attributes only: no collective, no host sync."""
+    fix = "build the engine's config with ds_clip.step_engine_config(your_config)"
+    if engine.gradient_accumulation_steps() != 1:
+        raise EngineConfigError(
+            f"the engine has gradient_accumulation_steps={engine.gradient_accumulation_steps()} (its backward "
+            f"would scale each micro-batch by 1/that); cached_step accumulates itself: {fix}"
+        )
+    if not engine.gradient_average:
+        raise EngineConfigError(
+            f"the engine sums gradients over ranks (gradient_allreduce_op); the step's scaling needs the mean: {fix}"
+        )
+    if engine.managed_gradient_accumulation() and not (
+        engine.zero_optimization_stage() in (1, 2, 3)
+        and hasattr(engine.optimizer, "_coalesce_grad_reduction")
+    ):
+        raise EngineConfigError(
+            "the engine runs DeepSpeed's managed gradient accumulation, which the step uses only to coalesce the "
+            f"reduction (ZeRO 1-3 without the BF16/FP16 optimizer wrappers): {fix}"
+        )
+    if getattr(engine.module, "output_dict", None) is False:  # an open_clip model that returns a tuple
+        raise EngineConfigError(
+            f"the model ({type(engine.module).__name__}) returns a tuple; the step reads image_features, "
+            "text_features and logit_scale (logit_bias) by name: build it with output_dict=True"
+        )
+    # (A wrapper that only forwards calls and ``spec``, as benchmarks/bench_accum.py's CountingLoss, has no place.)
+    built_for = (getattr(loss_fn, "rank", None), getattr(loss_fn, "world_size", None))
+    if None not in built_for and built_for != (distributed.rank(), distributed.world_size()):
+        raise LossConfigError(
+            f"the loss was built for rank {built_for[0]} of {built_for[1]} but this process is rank "
+            f"{distributed.rank()} of {distributed.world_size()}: it would not see the other ranks' pairs; build "
+            "ContrastiveLoss(spec, rank=engine.global_rank, world_size=engine.world_size)"
+        )
+
+
 def _dot(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     # fp32 dot so bf16/fp16 embeddings receive their gradient without a low-precision reduction.
     return (a.float() * g).sum()
@@ -171,6 +212,15 @@ def cached_step(
 ) -> StepResult:
     """Train one optimizer step on k = len(micro_batches) micro-batches of (images, token ids).
 
+    A collective: every rank calls it with its own k micro-batches of m pairs (the same k and m on every rank),
+    and the step trains the full-batch gradient of all N = W·k·m pairs, then calls ``engine.step()`` once (the
+    optimizer and the engine's LR scheduler advance once). ``engine`` is a DeepSpeed engine whose config went
+    through ``ds_config.step_engine_config`` (``ds-clip-train`` resolves its own) and whose module's forward
+    (``image=``, ``text=``, either alone too) returns a dict with ``image_features``, ``text_features`` and
+    ``logit_scale`` (``logit_bias`` for SigLIP), as an open_clip model with ``output_dict=True`` does;
+    ``loss_fn`` is a ``ContrastiveLoss`` of this process group's rank and world size. ``check_engine``
+    refuses anything else before the first forward.
+
     ``micro_batch_seeds`` (optional, one per micro-batch) reseeds the RNGs before each micro-batch's
     first forward, so stochastic layers draw the same numbers for the same global micro-batch
     whatever the (W, k) split; without it the running RNG stream is used (and still restored for
@@ -181,6 +231,7 @@ def cached_step(
         raise ValueError("cached_step needs at least one micro-batch")
     if micro_batch_seeds is not None and len(micro_batch_seeds) != k:
         raise ValueError(f"{len(micro_batch_seeds)} seeds for {k} micro-batches")
+    check_engine(engine, loss_fn)
     dtype = input_dtype(engine)
     device = torch.device(engine.device)
     sizes = [int(i.shape[0]) for i, _ in micro_batches]

@@ -158,6 +158,53 @@ def _group(model: str, fp16_config: str | None) -> dict:
             "lr_after": built.engine.get_lr()[0],
         }
         built.engine.destroy()
+
+    out["own_engine"] = _own_engine_cases(model)
+    return out
+
+
+def _own_engine_cases(model_name: str) -> dict:
+    """A user's own engine and loss (README, "Use the step in your own loop"): each case builds a fresh model
+    and engine with deepspeed.initialize from a DeepSpeed config of the user's, runs one cached step, and
+    records the error (type: message) or, where the step trains, whether it was skipped."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from ds_clip import ContrastiveLoss, LossSpec, cached_step, prepare_for_deepspeed, step_engine_config
+    from ds_clip.loss import LossConfigError
+    from ds_clip.model import build_model
+    from ds_clip.step import EngineConfigError
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+    }
+    loss = ContrastiveLoss(LossSpec(), rank=rank, world_size=world)
+    fit = step_engine_config(mine)
+    # name: (DeepSpeed config, loss, the model's output_dict). raw_zero0 has DeepSpeed's default managed
+    # accumulation on, which the step uses only to coalesce, and ZeRO-0 cannot coalesce.
+    cases = {
+        "gas": ({**mine, "gradient_accumulation_steps": 2}, loss, True),
+        "raw_zero0": (mine, loss, True),
+        "loss_of_one_rank": (fit, ContrastiveLoss(LossSpec()), True),
+        "tuple_model": (fit, loss, False),
+        "fit": (fit, loss, True),
+    }
+    out = {}
+    for name, (config, loss_fn, output_dict) in cases.items():
+        bundle = build_model(model_name, seed=0)
+        bundle.model.output_dict = output_dict
+        prepare_for_deepspeed(bundle.model)
+        engine, *_ = deepspeed.initialize(
+            model=bundle.model, model_parameters=bundle.model.parameters(), config=config
+        )
+        batches = [_pairs(bundle, rank * 10 + 2 * j, 2) for j in range(2)]
+        try:
+            out[name] = {"skipped": cached_step(engine, batches, loss_fn).skipped}
+        except (EngineConfigError, LossConfigError) as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+        engine.destroy()
     return out
 
 
@@ -312,3 +359,21 @@ def test_one_rank_zero0_reduces_no_gradient_and_stays_exact(tmp_path):
     errors = oracle_errors(Result, oracle_grads, floor=1e-3)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 1e-5, f"{worst}: relative error {errors[worst]:.2e}"
+
+
+def test_own_engine_built_wrong_is_refused_before_any_forward(results):
+    """cached_step with a user's own engine (2 ranks): an engine built from the user's raw DeepSpeed config
+    (gradient_accumulation_steps 2, whose backward would scale each micro-batch by 1/2; or DeepSpeed's default
+    managed accumulation on ZeRO-0, which would fail inside DeepSpeed), a loss built for one rank (which
+    would train each rank's pairs alone) and an open_clip model returning tuples are refused with one line
+    naming the fix, on every rank before any collective (the group goes on); the same config through
+    step_engine_config trains."""
+    own = results["own_engine"]
+    assert own["gas"].startswith("EngineConfigError: ") and "gradient_accumulation_steps=2" in own["gas"]
+    assert own["raw_zero0"].startswith("EngineConfigError: ") and "managed" in own["raw_zero0"]
+    for case in ("gas", "raw_zero0"):
+        assert "step_engine_config" in own[case] and "\n" not in own[case], own[case]
+    message = own["loss_of_one_rank"]
+    assert message.startswith("LossConfigError: ") and "rank 0 of 1" in message and "rank 0 of 2" in message
+    assert own["tuple_model"].startswith("EngineConfigError: ") and "output_dict=True" in own["tuple_model"]
+    assert own["fit"] == {"skipped": False}
