@@ -138,10 +138,11 @@ run timeout "$LIMIT_INSTALL_S" "$PY" -m pip install -q --no-index --no-deps --no
     --target "$SITE" "$WHEELS"/*.whl
 export PYTHONPATH="$SITE:$ROOT" PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 say "export PYTHONPATH=$SITE:$ROOT PATH=$SITE/bin:\$PATH"
-# What runs: ds_clip, deepspeed and open_clip from SITE, torch from the machine's own site-packages.
-run "$PY" -c "import sys, torch, deepspeed, open_clip, ds_clip
+# What runs: deepspeed, open_clip and webdataset from SITE, torch from the machine's own site-packages; ds_clip
+# from SITE, or from the checkout where the current folder comes first on sys.path (python -c / -m here).
+run "$PY" -c "import sys, torch, deepspeed, open_clip, webdataset, ds_clip
 site = sys.argv[1]
-assert ds_clip.__file__.startswith(site) and deepspeed.__file__.startswith(site), (ds_clip.__file__, site)
+assert all(m.__file__.startswith(site) for m in (deepspeed, open_clip, webdataset)), (deepspeed.__file__, site)
 assert not torch.__file__.startswith(site), 'torch must be the machine own, not one from the wheels'
 print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(),
       'deepspeed', deepspeed.__version__, 'open_clip', open_clip.__version__, 'ds_clip from', ds_clip.__file__)" "$SITE"
@@ -244,8 +245,11 @@ d = Path(os.environ["OUT_DIR"])
 def load(name):
     p = d / name
     return json.loads(p.read_text()) if p.exists() else None
-gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                     capture_output=True, text=True).stdout.strip()
+try:
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip()
+except FileNotFoundError:  # --part install alone, on a machine without the driver's tools
+    gpu = None
 summary = {"gpu": gpu, "seconds": json.loads(os.environ["SECS_JSON"]),
            "skipped": os.environ["SKIPPED"].split()}
 if (d / "train_metrics.csv").exists():

@@ -57,7 +57,10 @@ fi
 
 # ds_clip: always rebuilt, so the wheel holds this checkout's code.
 rm -f "$WHL"/ds_clip-*.whl
-"$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WHL" "$ROOT"
+# Without build isolation where this Python's setuptools builds wheels by itself (>= 70.1: the project venv's),
+# else pip fetches a build backend from the registry.
+if "$PY" -c "import setuptools.command.bdist_wheel" 2>/dev/null; then ISOLATION=--no-build-isolation; else ISOLATION=; fi
+"$PY" -m pip wheel -q --no-deps $ISOLATION -w "$WHL" "$ROOT"
 rm -rf "$ROOT/build" "$ROOT"/*.egg-info
 
 # Exactly one wheel per package: two versions of one would stop the offline install.
