@@ -21,7 +21,7 @@
 # c        Exactness: k=4 x m vs k=1 x 4m on one GPU, fp32 with TF32 off: relative gradient error per
 #          parameter (scripts/gpu_check_exactness.py), failing above 1e-4.
 # mfu      Model FLOP utilisation of the cached step: ViT-B-16, bf16, k = 8, the largest m that fits (m
-#          doubles from 128), FLOPs from the model's shapes (forward + recompute + backward) against the
+#          doubles from 128 up to 4096), FLOPs from the model's shapes (forward + recompute + backward) against the
 #          H200's 989 TFLOP/s dense bf16 (scripts/gpu_check_capacity.py mfu).
 # largest  The largest N one tiled-loss step with data offload trains on ViT-B-16 (bf16, m = 512), N
 #          doubling within a 3-minute budget (scripts/gpu_check_capacity.py largest).
@@ -210,7 +210,7 @@ fi
 if wants mfu && begin mfu "$EST_MFU_S"; then
     PART="mfu: ViT-B-16 bf16 k=8, largest m"
     run timeout "$LIMIT_MFU_S" "$PY" scripts/gpu_check_capacity.py mfu --model ViT-B-16 --precision bf16 --k 8 \
-        --m-start 128 --steps 3 --out-dir "$OUT_DIR"
+        --m-start 128 --m-max 4096 --steps 3 --out-dir "$OUT_DIR"
     finish
 fi
 

@@ -9,9 +9,10 @@ ds_clip.step.cached_step on pairs held in pinned host memory (the data offload: 
 being embedded is on the device). Every timed step is wall time between two CUDA synchronisations.
 
 * mfu: ``--precision bf16 --accum-freq 8``. m doubles from ``--m-start`` while a step fits in device
-  memory (an out-of-memory error ends the search; its memory is released) and ``--m-max`` is not passed;
-  then ``--steps`` steps at the largest m that fitted are timed (after the search's own warm step; the k
-  micro-batches cycle through 2 distinct pinned host micro-batches, which leaves the FLOPs as they are). The
+  memory (an out-of-memory error ends the search) and ``--m-max`` is not passed;
+  every m that fits trains one warm step and ``--steps`` timed ones, and the figures are those of the
+  largest m that fitted (nothing trains after an out-of-memory error; the k micro-batches cycle through 2
+  distinct pinned host micro-batches, which leaves the FLOPs as they are). The
   FLOPs per step come from the model's shapes (benchmarks/flops.py): ``cached_step_flops`` counts the
   forward, the recomputed forward and the backward, (4k-1)·m pair forwards, plus the loss; divided by
   the median step time and by ``--peak-tflops`` (989: the H200's dense bf16). ``model_flops`` (3k·m
@@ -112,13 +113,6 @@ class Bench:
         _sync(self.device)
         return time.perf_counter() - t0
 
-    def release(self) -> None:
-        """After an out-of-memory error: drop what the failed step held."""
-        self.engine.zero_grad()
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
     def peak_mib(self) -> float | None:
         return torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None
 
@@ -131,27 +125,32 @@ def _base_argv(a: argparse.Namespace) -> list[str]:
 def run_mfu(a: argparse.Namespace) -> dict[str, Any]:
     b = Bench([*_base_argv(a), "--batch-size", str(a.m_start), "--accum-freq", str(a.k)])
     tried: list[dict[str, Any]] = []
-    best = None
+    best, times, peak_mib = None, [], None
     m = a.m_start
     while a.m_max is None or m <= a.m_max:
+        # Each m: one warm step, then the timed ones, so the figures come from the largest m that fitted
+        # without training on after an out-of-memory error (the engine is not trusted after one).
+        oom = False
         try:
             b.make_pool(m, MFU_DISTINCT)
-            seconds = b.step(a.k)  # also the warm-up of the timed steps at the largest m
-            tried.append({"m": m, "ok": True, "seconds": round(seconds, 4)})
-            best = m
-        except Exception as exc:  # noqa: BLE001 - out of memory ends the search; anything else is reported
+            warm = b.step(a.k)
+            if b.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(b.device)
+            timed = [b.step(a.k) for _ in range(a.steps)]
+        except Exception as exc:  # noqa: BLE001 - out of memory ends the search; anything else is raised
             if not _is_oom(exc):
                 raise
+            oom = True
+        if oom:
             tried.append({"m": m, "ok": False, "error": "out of memory"})
-            b.release()
             break
+        tried.append(
+            {"m": m, "ok": True, "warm_s": round(warm, 4), "median_s": round(statistics.median(timed), 4)}
+        )
+        best, times, peak_mib = m, timed, b.peak_mib()
         m *= 2
     if best is None:
         raise SystemExit(f"gpu_check_capacity: no m from {a.m_start} fits (k = {a.k})")
-    b.make_pool(best, MFU_DISTINCT)
-    if b.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(b.device)
-    times = [b.step(a.k) for _ in range(a.steps)]
     t = statistics.median(times)
     cfg = b.bundle.model_cfg
     executed, useful = cached_step_flops(cfg, best, a.k), model_flops(cfg, best, a.k)
@@ -168,7 +167,7 @@ def run_mfu(a: argparse.Namespace) -> dict[str, Any]:
         "peak_tflops_per_s": a.peak_tflops,
         "utilisation_executed": executed / t / peak,
         "utilisation_model": useful / t / peak,
-        "peak_mem_mib": b.peak_mib(),
+        "peak_mem_mib": peak_mib,
     }  # fmt: skip
 
 
@@ -202,7 +201,6 @@ def run_largest(a: argparse.Namespace, t_start: float) -> dict[str, Any]:
                 {"N": k * a.batch_size, "k": k, "ok": False, "error": str(exc).splitlines()[0][:300]}
             )
             stop = "out of memory" if _is_oom(exc) else "error"
-            b.release()
             break
         tried.append(
             {
@@ -235,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=8, help="mfu: micro-batches per step")
     p.add_argument("--m-start", type=int, default=128, help="mfu: first m of the doubling search")
     p.add_argument("--m-max", type=int, default=None, help="mfu: largest m to try (default: until OOM)")
-    p.add_argument("--steps", type=int, default=3, help="mfu: timed steps at the largest m")
+    p.add_argument("--steps", type=int, default=3, help="mfu: timed steps at each m (after a warm one)")
     p.add_argument("--peak-tflops", type=float, default=H200_DENSE_BF16_TFLOPS)
     p.add_argument("--batch-size", type=int, default=512, help="largest: micro-batch m")
     p.add_argument("--k-start", type=int, default=8, help="largest: first k of the doubling")
@@ -251,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
         result = run_mfu(a) if what == "mfu" else run_largest(a, t_start)
         (a.out_dir / f"{what}.json").write_text(json.dumps(result, indent=1))
         _say(what, a, result)
+        if what == "largest" and result["largest_N"] is None:
+            sys.exit(
+                f"gpu_check_capacity: not even N = {a.k_start * a.batch_size} trained: {result['trials'][-1]}"
+            )
         gc.collect()
     return 0
 
