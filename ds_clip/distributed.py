@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_clip import shm
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -91,10 +93,34 @@ def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
         # NCCL needs one GPU per rank chosen before the first collective (object collectives such as
         # broadcast_object use the current device): LOCAL_RANK is known by now (MPI discovery included).
         _set_local_device()
+        if _local_rank() == 0:
+            shm.sweep_stale()  # buffers of earlier runs whose ranks are gone (SIGKILLed, say)
         deepspeed.init_distributed(
             auto_mpi_discovery=launched_by_mpi, timeout=timedelta(seconds=timeout_s), verbose=False
         )
+        _release_shm_buffers()
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), report)
+
+
+def _release_shm_buffers() -> None:
+    """Unlink this rank's DeepSpeed CPU shm buffer once every rank has mapped every buffer (ds_clip/shm.py).
+
+    DeepSpeed's CPU accelerator starts its shared-memory comm op inside ``init_distributed`` when all
+    ranks run on this host (``LOCAL_SIZE`` equals the world size, as the deepspeed launcher sets it), the
+    same condition on every rank, so either every rank enters the barrier below or none does. After the
+    barrier no rank opens a buffer by name again; the mappings outlive the names.
+    """
+    import deepspeed.comm as ds_comm
+
+    backend = getattr(ds_comm.comm, "cdb", None)
+    if getattr(backend, "shm_comm_op", None) is None or os.environ.get("LOCAL_SIZE") != str(
+        dist.get_world_size()
+    ):
+        return
+    shm.unlink_own_at_exit(dist.get_rank())
+    if dist.get_world_size() > 1:
+        dist.barrier()  # every rank has left shm_initialize: each has mapped every rank's buffer
+    shm.release_own(dist.get_rank())
 
 
 def _local_rank() -> int:

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from ds_clip.distributed import _free_port
 from ds_clip.testing import E2E_MODEL
+from tests import shm_files
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -75,14 +77,28 @@ def _check_run(proc: subprocess.CompletedProcess, run_dir: Path, steps: int = ST
 def test_deepspeed_launcher_trains_and_resumes(model_dir, tmp_path):
     """`deepspeed --num_gpus 2 --module ds_clip.train --accum-freq 2` trains, logs k*m*W samples per
     step, writes the resolved configs and a complete checkpoint; `--resume latest` continues at the
-    saved step instead of starting over. (--torchcompile under the launcher: tests/test_compile.py.)"""
+    saved step instead of starting over. (--torchcompile under the launcher: tests/test_compile.py.)
+
+    Nothing left in /dev/shm (issue 22): neither run leaves a DeepSpeed CPU shm buffer of its own, and
+    the first one's start removes a stale buffer (its owner process is dead) and says so, while a buffer
+    a live process maps stays."""
+    ports: list[int] = []
+    while len(ports) < 4:  # two launches, and the ports named by the planted buffers
+        ports += [q for q in [_free_port()] if q not in ports]
     args = _train_args(model_dir, tmp_path, "ds")
-    proc = _run(["deepspeed", "--num_gpus", "2", "--module", "ds_clip.train", *args])
+    launch = ["deepspeed", "--num_gpus", "2", "--master_port"]
+    with shm_files.stale_and_live(ports[2], ports[3]) as planted:
+        proc = _run([*launch, str(ports[0]), "--module", "ds_clip.train", *args])
+        assert not planted.stale.exists() and planted.live.exists()
     _check_run(proc, tmp_path / "ds")
+    said = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "ds_clip.shm: removed" in ln]
+    assert len(said) == 1 and planted.stale.name in said[0], said
+    assert shm_files.left_by(ports[0]) == []
     more = _train_args(model_dir, tmp_path, "ds", steps=STEPS + 2)
-    proc = _run(["deepspeed", "--num_gpus", "2", "--module", "ds_clip.train", *more, "--resume", "latest"])
+    proc = _run([*launch, str(ports[1]), "--module", "ds_clip.train", *more, "--resume", "latest"])
     assert "resumed from" in proc.stdout + proc.stderr and "at step 4" in proc.stdout + proc.stderr
     _check_run(proc, tmp_path / "ds", steps=STEPS + 2, first=STEPS + 1)
+    assert shm_files.left_by(ports[1]) == []
 
 
 @pytest.mark.e2e

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from ds_clip.testing import E2E_MODEL
+from tests import shm_files
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -107,16 +108,16 @@ def _killpg(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def _deepspeed_cmd(args: list[str]) -> list[str]:
+def _deepspeed_cmd(args: list[str], port: int | None = None) -> list[str]:
     # A free port per launch: other jobs on this machine may hold DeepSpeed's default 29500.
-    port = str(_free_port())
-    return ["deepspeed", "--num_gpus", str(W), "--master_port", port, "--module", "ds_clip.train", *args]
+    port_s = str(port or _free_port())
+    return ["deepspeed", "--num_gpus", str(W), "--master_port", port_s, "--module", "ds_clip.train", *args]
 
 
-def _deepspeed(args: list[str], fault: str | None = None) -> Ran:
+def _deepspeed(args: list[str], fault: str | None = None, port: int | None = None) -> Ran:
     """The real launcher, in its own session so that a hang can be killed with all its ranks."""
     proc = subprocess.Popen(
-        _deepspeed_cmd(args),
+        _deepspeed_cmd(args, port),
         cwd=ROOT,
         env=_env(fault),
         stdout=subprocess.PIPE,
@@ -328,14 +329,17 @@ def test_consecutive_nonfinite_steps_stop_the_run_and_keep_the_last_good_checkpo
 
 def test_dead_rank_under_deepspeed_launcher_ends_the_job(model_dir, tmp_path):
     """Rank 1 SIGKILLed at the start of step index 1 (default --dist-timeout): the launcher returns
-    non-zero within the bound and leaves no rank process behind."""
+    non-zero within the bound and leaves no rank process behind, and no DeepSpeed CPU shm buffer in
+    /dev/shm (issue 22: each rank unlinks its own once every rank has mapped them all)."""
     name = "fault-dead-launcher"
-    ran = _deepspeed(_args(model_dir, tmp_path, name, steps=4), fault="kill@1:1")
+    port = _free_port()
+    ran = _deepspeed(_args(model_dir, tmp_path, name, steps=4), fault="kill@1:1", port=port)
     assert ran.returncode != 0, ran.out[-4000:]
     assert "[fault injection] rank 1: SIGKILL at step 1" in ran.out
     left = [p for p in psutil.process_iter(["cmdline"]) if name in " ".join(p.info["cmdline"] or [])]
     gone, alive = psutil.wait_procs(left, timeout=30)
     assert not alive, f"rank processes left behind: {[p.pid for p in alive]}"
+    assert shm_files.left_by(port) == []
 
 
 KILL_ARGS = ("--zero-stage", "2", "--save-every-n-steps", "10", "--dist-timeout", "30")
