@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ds_clip.checkpoint import epochs_done_at, on_cadence
 from ds_clip.config import (
     DataSettings,
     EvalSectionSettings,
@@ -612,8 +613,10 @@ __all__ = [
 
 
 class Evaluator:
-    """When the trainer evaluates: owns ``--val-every-n-steps`` and the final evaluation. Every rank holds
-    one and calls every method (each rank embeds its slice: a collective); rank 0 reports."""
+    """When the trainer evaluates: owns ``--val-every-n-steps``, the epoch cadences ``--val-frequency`` and
+    ``--zeroshot-frequency`` (one evaluation computes retrieval and zero-shot together, so a step on any of
+    the three runs it) and the final evaluation. Every rank holds one and calls every method (each rank
+    embeds its slice: a collective); rank 0 reports."""
 
     def __init__(
         self,
@@ -625,10 +628,13 @@ class Evaluator:
         run_dir: Path,
         every_n_steps: int | None,
         is_main: bool,
+        every_n_epochs: tuple[int | None, ...] = (),
+        steps_per_epoch: int | None = None,
     ) -> None:
         self.engine, self.settings = engine, settings
         self.preprocess, self.tokenizer = preprocess, tokenizer
         self.run_dir, self.every_n_steps, self.is_main = Path(run_dir), every_n_steps, is_main
+        self.every_n_epochs, self.steps_per_epoch = every_n_epochs, steps_per_epoch
 
     def run(self, step: int, tb_writer=None) -> None:
         if self.settings is None:
@@ -641,5 +647,10 @@ class Evaluator:
 
     def maybe_run(self, step: int, total_steps: int, tb_writer=None) -> None:
         """Evaluate on the cadence; the last step is evaluated by ``run`` at the end of the run, once."""
-        if self.every_n_steps and step % self.every_n_steps == 0 and step < total_steps:
+        if step >= total_steps:
+            return
+        epochs = epochs_done_at(step, self.steps_per_epoch)
+        if on_cadence(step, self.every_n_steps, None, None) or any(
+            on_cadence(step, None, epochs, n) for n in self.every_n_epochs
+        ):
             self.run(step, tb_writer)

@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ds_clip.config import TrainSettings, flags
+from ds_clip.config import ANSWERED, TrainSettings, flags
 from ds_clip.presets import list_presets
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
@@ -106,6 +106,18 @@ flag relates to open_clip_train's flag of the same name: *same* (name, meaning a
 (how), or *ds_clip only*.
 """
 
+OPEN_CLIP_INTRO = """\
+## open_clip_train's flags
+
+Every option of open_clip_train 3.3.0's parser (`open_clip_train/params.py`, read from the installed package
+when this file is generated), next to ds_clip's: *same* (accepted, same meaning and default), *differs* (accepted
+with open_clip's meaning; what differs), or *answered* (ds-clip-train exits 2 with one line naming the flag,
+saying why ds_clip has no such thing and what to use instead). tests/test_open_clip_flags.py walks that
+parser, every option and every `choices` value. `ds-clip-train --dry-run ...` checks a whole command line
+without starting anything.
+
+"""
+
 EPILOGUE = """\
 Bad input exits with status 2 and one line naming the flag, file or key:
 `ds-clip-train: error: --accum-freq must be >= 1, got 0`.
@@ -144,11 +156,62 @@ def flag_tables() -> str:
     return "\n".join(out)
 
 
+def open_clip_train_parser() -> argparse.ArgumentParser:
+    """The ArgumentParser that open_clip_train.params.parse_args builds, taken as it starts to parse (its
+    flags are not listed anywhere else). Needs open_clip_train (open_clip_torch) and pandas."""
+    from unittest import mock
+
+    from open_clip_train import params
+
+    class Captured(Exception):
+        pass
+
+    grabbed: list[argparse.ArgumentParser] = []
+
+    def grab(self, *args, **kwargs):
+        grabbed.append(self)
+        raise Captured
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", grab):
+        try:
+            params.parse_args([])
+        except Captured:
+            pass
+    return grabbed[0]
+
+
+def open_clip_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Its options, in its order (help aside)."""
+    return [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+def open_clip_table() -> str:
+    ours = {o: f for f in flags() for o in f.options}
+    rows = ["| open_clip flag | open_clip default | ds_clip | how |", "|---|---|---|---|"]
+    for a in open_clip_options(open_clip_train_parser()):
+        option = a.option_strings[0]
+        default = (
+            "off" if a.nargs == 0 else ("none" if a.default in (None, "", {}) else repr(a.default).strip("'"))
+        )
+        if a.choices:
+            default += " (" + ", ".join(str(c) for c in a.choices) + ")"
+        if option in ours:
+            f = ours[option]
+            how = f.meta["open_clip"]
+            mine = _code(f.option) + f", default {_cell(f.shown_default())}"
+        elif option in ANSWERED:
+            mine, how = "answered (exit 2)", ANSWERED[option][1]
+        else:
+            mine, how = "not in ds_clip", "unrecognized"
+        rows.append(f"| {_code(option)} | {_cell(default)} | {mine} | {_cell(how)} |")
+    return "\n".join(rows) + "\n\n"
+
+
 def render() -> str:
     sections = ", ".join(f"`{s}`" for s in TrainSettings.section_types())
     presets = ", ".join(f"`{p}`" for p in list_presets())
     preamble = PREAMBLE.format(command=COMMAND, sections=sections, presets=presets)
-    return preamble + "\n" + flag_tables() + EPILOGUE
+    return preamble + "\n" + flag_tables() + OPEN_CLIP_INTRO + open_clip_table() + EPILOGUE
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,259 @@
+"""An open_clip_train command line runs unchanged (issue 21): every option of open_clip_train's own parser is
+either accepted by ds-clip-train with open_clip's meaning, or answered with one line (exit 2) that names the
+flag, says why ds_clip has no such thing and what to use instead. Never argparse's bare "unrecognized
+arguments" or "invalid choice" for an open_clip flag or value.
+
+The walk builds open_clip_train's parser itself (open_clip_train.params.parse_args, captured when it parses),
+so a flag open_clip adds shows up here. Single process, no engine; the model-flag tests build tiny models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from ds_clip import train
+from ds_clip.config import ANSWERED, TrainSettings, build_parser, flags, parse_settings
+from ds_clip.ds_config import optimizer_blocker, resolve_ds_config
+from ds_clip.presets import PRECISION_MAP, SettingsError
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Flags issue 20's helpers add on their own branches (CoCa, distillation): counted as accepted here. The lead
+# drops this set after merging those branches, and the walk then checks them like the rest.
+ADDED_BY_ISSUE_20 = {
+    "--coca-contrastive-loss-weight",
+    "--coca-caption-loss-weight",
+    "--distill-model",
+    "--distill-pretrained",
+}
+
+
+def _doc_generator():
+    """scripts/gen_configuration_doc.py, which also reads open_clip_train's parser for the docs' table."""
+    spec = importlib.util.spec_from_file_location(
+        "gen_configuration_doc", REPO / "scripts" / "gen_configuration_doc.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _values(action: argparse.Action) -> list[list[str]]:
+    """The words to try after the option: none for a switch, every choice, else a value of its type."""
+    if action.nargs == 0:
+        return [[]]
+    if action.choices:
+        return [[str(c)] for c in action.choices]
+    d = action.default
+    if isinstance(d, (int, float, str)) and not isinstance(d, bool) and d not in ("", None) and d != "\t":
+        return [[str(d)]]
+    if action.dest == "aug_cfg":
+        return [["scale=(0.9,1.0)"]]
+    kind = action.type if action.type in (int, float) else str
+    return [[{int: "1", float: "0.5", str: "x"}[kind]]]
+
+
+@pytest.fixture(scope="module")
+def oc_actions() -> list[argparse.Action]:
+    gen = _doc_generator()
+    return gen.open_clip_options(gen.open_clip_train_parser())
+
+
+def _ours() -> set[str]:
+    return {o for f in flags() for o in f.options}
+
+
+def test_open_clip_has_90_options_each_accepted_or_answered_once(oc_actions):
+    options = [a.option_strings[0] for a in oc_actions]
+    assert len(options) == 90  # open_clip_train 3.3.0; a new release's flags would fail the lines below
+    unplaced = [o for o in options if o not in _ours() and o not in ANSWERED and o not in ADDED_BY_ISSUE_20]
+    assert unplaced == []
+    assert [o for o in options if o in _ours() and o in ANSWERED] == []
+    assert [o for o in ANSWERED if o not in options] == []  # no stale answers
+    doc = (REPO / "docs" / "configuration.md").read_text()  # (its freshness: tests/test_config.py)
+    assert [o for o in options if f"| `{o}` |" not in doc] == []
+
+
+def test_every_accepted_option_and_choice_parses(oc_actions):
+    """ds-clip-train's own parser takes every accepted open_clip option with each value open_clip allows."""
+    parser = build_parser()
+    for action in oc_actions:
+        option = action.option_strings[0]
+        if option not in _ours():
+            continue
+        for words in _values(action):
+            try:
+                parser.parse_args([option, *words])
+            except SystemExit as exc:  # argparse's "invalid choice" / "expected one argument"
+                pytest.fail(f"{option} {' '.join(words)}: argparse refused it (exit {exc.code})")
+
+
+def test_every_answered_option_is_one_line_naming_it_exit_2(oc_actions, capsys):
+    for action in oc_actions:
+        option = action.option_strings[0]
+        if option not in ANSWERED:
+            continue
+        for words in _values(action) + ([[]] if action.nargs != 0 else []):  # with and without its value
+            assert train.main([option, *words]) == 2, option
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and err.startswith(f"ds-clip-train: error: {option} is open_clip"), (
+                err
+            )
+            assert "unrecognized" not in err and "invalid choice" not in err
+
+
+def test_open_clip_values_reach_the_settings(tmp_path):
+    """The values of open_clip's that ds_clip reads its own way: auto dataset type, the precision names, the
+    epoch cadences, --delete-previous-checkpoint."""
+    s = parse_settings(["--dataset-type", "auto"])
+    assert s.data.dataset_type == "synthetic"
+    for name, target in PRECISION_MAP.items():
+        assert parse_settings(["--precision", name]).dist.precision == target
+    s = parse_settings(
+        ["--save-frequency", "1", "--val-frequency", "2", "--zeroshot-frequency", "1", "--save-most-recent"]
+        + ["--delete-previous-checkpoint", "--skip-scheduler", "--wandb-project-name", "p", "--log-local"]
+    )
+    assert (s.checkpoint.save_frequency, s.eval.val_frequency, s.eval.zeroshot_frequency) == (1, 2, 1)
+    assert s.checkpoint.keep_checkpoints == 1 and s.checkpoint.save_most_recent
+    assert s.optim.skip_scheduler and s.logging.wandb_project_name == "p" and s.logging.log_local
+
+
+def test_precision_mapping_is_in_help():
+    text = " ".join(build_parser().format_help().split())
+    by_target: dict[str, list[str]] = {}
+    for name, target in PRECISION_MAP.items():
+        by_target.setdefault(target, []).append(name)
+    for target, names in by_target.items():
+        assert f"{', '.join(names)} -> {target}" in text
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--opt", "timm/adamw"], "--opt timm/adamw: ds_clip has DeepSpeed build the optimizer"),
+        (["--opt", "adafactor"], "--opt must be one of adamw, lamb, lion, sgd"),
+        (["--momentum", "0.9"], "--momentum applies to --opt sgd"),
+        (["--opt", "sgd", "--momentum", "1.5"], "--momentum must be in [0, 1)"),
+        (["--save-frequency", "-1"], "--save-frequency must be >= 0"),
+        (["--val-frequency", "-1"], "--val-frequency must be >= 0"),
+        (["--delete-previous-checkpoint", "--keep-checkpoints", "3"], "--delete-previous-checkpoint keeps 1"),
+        (["--skip-scheduler", "--lr-scheduler", "const"], "--skip-scheduler trains at the peak LR"),
+        (["--force-context-length", "0"], "--force-context-length must be >= 1"),
+        (["--opt", "lamb", "--ds-config", "zero2_offload_fp32"], "--opt lamb with zero_optimization.offload"),
+    ],
+)
+def test_bad_open_clip_values_name_the_flag(argv, needle):
+    with pytest.raises(SettingsError) as e:
+        parse_settings(argv)
+    assert needle in str(e.value)
+
+
+def test_opt_builds_deepspeeds_optimizer_block():
+    """--opt goes into the resolved JSON's "optimizer" block (DeepSpeed builds it, offload included), each
+    optimizer with the hyper-parameters its class takes; a preset's block must agree with --opt."""
+
+    def block(*argv):
+        return resolve_ds_config(parse_settings(list(argv)), 2)["optimizer"]
+
+    assert block() == {
+        "type": "AdamW",
+        "params": {"lr": 5e-4, "weight_decay": 0.2, "betas": [0.9, 0.98], "eps": 1e-6, "torch_adam": True},
+    }
+    assert block("--opt", "lamb") == {
+        "type": "Lamb", "params": {"lr": 5e-4, "weight_decay": 0.2, "betas": [0.9, 0.98], "eps": 1e-6}
+    }  # fmt: skip
+    assert block("--opt", "lion", "--ds-config", "zero2_offload_fp32") == {
+        "type": "Lion", "params": {"lr": 5e-4, "weight_decay": 0.2, "betas": [0.9, 0.98]}
+    }  # fmt: skip
+    assert block("--opt", "sgd", "--momentum", "0.9") == {
+        "type": "SGD", "params": {"lr": 5e-4, "weight_decay": 0.2, "momentum": 0.9}
+    }  # fmt: skip
+
+
+def test_preset_optimizer_type_must_match_opt(tmp_path):
+    preset = tmp_path / "p.json"
+    preset.write_text(json.dumps({"zero_optimization": {"stage": 1}, "optimizer": {"type": "Lion"}}))
+    with pytest.raises(SettingsError, match=r'optimizer.type="Lion" in .* conflicts with --opt adamw'):
+        parse_settings(["--ds-config", str(preset)])
+    assert (
+        resolve_ds_config(parse_settings(["--ds-config", str(preset), "--opt", "lion"]), 1)["optimizer"][
+            "type"
+        ]
+        == "Lion"
+    )
+
+
+def test_what_deepspeed_cannot_build_on_the_cpu_is_refused():
+    """Measured on DeepSpeed 0.19.8's CPU accelerator: Lamb (FusedLamb) and Lion without offload (FusedLion)
+    have no CPU kernel; Lion under offload runs DeepSpeed's CPU Lion. On CUDA all build."""
+
+    def why(*argv):
+        return optimizer_blocker(parse_settings(list(argv)), "cpu")
+
+    assert "FusedLamb" in why("--opt", "lamb")
+    assert "zero2_offload_fp32" in why("--opt", "lion")
+    assert why("--opt", "lion", "--ds-config", "zero2_offload_fp32") is None
+    assert why("--opt", "sgd") is None and why() is None
+    assert optimizer_blocker(parse_settings(["--opt", "lamb"]), "cuda") is None
+
+
+def test_dry_run_prints_settings_and_json_and_starts_nothing(capsys, monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("WORLD_SIZE", "4")  # what a launcher would set: the JSON is resolved for it
+    argv = ["--dry-run", "--precision", "amp_bf16", "--batch-size", "3", "--save-frequency", "1"]
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out
+    assert not dist.is_initialized()
+    blocks = [b for b in re.split(r"^# .*$", out, flags=re.M) if b.strip().startswith("{")]
+    settings, ds_json = json.loads(blocks[0]), json.loads(blocks[1])
+    assert settings["precision"] == "bf16" and settings["save_frequency"] == 1
+    assert TrainSettings.of(**settings).dist.dry_run
+    assert ds_json["train_batch_size"] == 12 and ds_json["bf16"]["enabled"] is True
+    assert "amp, fp16, pure_fp16 -> DeepSpeed fp16" in out and "nothing was started" in out
+
+
+def test_dry_run_finds_the_errors_a_run_would_meet_at_start(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    preset = tmp_path / "p.json"
+    preset.write_text(json.dumps({"zero_optimization": {"stage": 1}, "train_batch_size": 8}))
+    assert train.main(["--dry-run", "--ds-config", str(preset), "--batch-size", "2"]) == 2  # 8 != 2 x 2
+    assert "train_batch_size=8" in capsys.readouterr().err
+    assert train.main(["--dry-run", "--horovod"]) == 2
+    assert capsys.readouterr().err.startswith("ds-clip-train: error: --horovod is open_clip_train's flag")
+
+
+def test_model_flags_reach_open_clip():
+    """--force-quick-gelu, --force-custom-text, --force-context-length, --image-resize-mode are passed to
+    open_clip as open_clip_train passes them (model, tokenizer, transforms) and recorded in the model config."""
+    import open_clip
+    from torchvision import transforms as T
+
+    from ds_clip.engine import build_model_bundle
+
+    s = parse_settings(
+        [
+            "--force-quick-gelu",
+            "--force-custom-text",
+            "--force-context-length",
+            "16",
+            "--image-resize-mode",
+            "squash",
+        ]
+    )
+    b = build_model_bundle(s)
+    assert isinstance(b.model, open_clip.CustomTextCLIP)
+    assert any(isinstance(m, open_clip.model.QuickGELU) for m in b.model.modules())
+    assert b.tokenizer(["a photo"]).shape[-1] == 16
+    assert (
+        b.model_cfg["quick_gelu"]
+        and b.model_cfg["custom_text"]
+        and b.model_cfg["text_cfg"]["context_length"] == 16
+    )
+    assert not any(isinstance(t, T.CenterCrop) for t in b.preprocess_val.transforms)  # squash: resize only
