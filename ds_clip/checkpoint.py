@@ -658,6 +658,9 @@ class Checkpointer:
             # The marker goes first (as in prune): a deletion cut short leaves a folder that reads as partial.
             (previous / MARKER).unlink(missing_ok=True)
             shutil.rmtree(previous, ignore_errors=True)
+            logger.info(
+                "removed %s: --save-most-recent keeps the newest epoch's checkpoint only", previous.name
+            )
         return path
 
     def maybe_save(self, step: int, total_steps: int) -> None:

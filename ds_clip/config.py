@@ -446,6 +446,24 @@ class EvalSectionSettings:
     zeroshot_classes: str | None = opt(
         None, metavar="FILE", open_clip="ds_clip only (open_clip: --imagenet-val)"
     )
+    imagenet_val: str | None = opt(
+        None,
+        metavar="DIR",
+        open_clip="differs: also class folders named by index 0-999 (a subset of the classes)",
+    )
+    """Zero-shot top-1/top-5 on an ImageNet validation folder (torchvision ImageFolder layout) with open_clip's
+    1000 ImageNet class names and its 80 OpenAI templates, each rank classifying its share of the images, at
+    --zeroshot-frequency and at the end. Class folders: 1000 (sorted as ImageFolder sorts them: ImageNet's
+    synset folders give ImageNet's class order), or folders named by class index 0-999 (ImageNetV2's layout;
+    any subset of the classes, still classified among all 1000)."""
+    imagenet_v2: str | None = opt(
+        None, metavar="DIR", open_clip="differs: a local ImageNetV2 folder (class folders 0-999); no download"
+    )
+    """As --imagenet-val, on a local ImageNetV2 folder (e.g. imagenetv2-matched-frequency-format-val, class
+    folders named 0-999)."""
+    zeroshot_classes: str | None = opt(
+        None, metavar="FILE", open_clip="ds_clip only (open_clip: --imagenet-val)"
+    )
     """Zero-shot classification: a JSON file {"classnames": [...], "templates": [...]} (templates with
     "{c}", or "simple"/"openai" for open_clip's lists) or a text file, one class a line. Needs --val-data."""
 
@@ -566,16 +584,6 @@ _SECTIONS: dict[str, type] = {
 # option -> (takes a value?, the answer). With the fields above this covers every option of open_clip_train
 # 3.3.0's parser (tests/test_open_clip_flags.py walks that parser).
 ANSWERED: dict[str, tuple[bool, str]] = {
-    "--imagenet-val": (
-        True,
-        "ds_clip has no ImageNet folder evaluation yet: evaluate zero-shot with --val-data SHARDS "
-        "--zeroshot-classes FILE (class names and templates), or ds-clip-eval on an exported model",
-    ),
-    "--imagenet-v2": (
-        True,
-        "ds_clip has no ImageNet-V2 evaluation yet: evaluate zero-shot with --val-data SHARDS "
-        "--zeroshot-classes FILE, or ds-clip-eval on an exported model",
-    ),
     "--cache-dir": (
         True,
         "ds_clip downloads nothing (no model, tokenizer or weight downloads): pass local weights with "
@@ -998,12 +1006,37 @@ def check_eval(ev: EvalSectionSettings, *, batch_size: int) -> None:
     _check_min("zeroshot_frequency", ev.zeroshot_frequency, 0, optional=True)
     if ev.val_data and ev.val_data != "synthetic":
         _check_shards("--val-data", ev.val_data)
+    for flag, folder in (("--imagenet-val", ev.imagenet_val), ("--imagenet-v2", ev.imagenet_v2)):
+        if folder is not None:
+            imagenet_class_folders(folder, flag)
     if ev.zeroshot_classes is not None:
         _need(bool(ev.val_data), "--zeroshot-classes needs --val-data (the images to classify)")
         _need(
             Path(ev.zeroshot_classes).expanduser().is_file(),
             f"--zeroshot-classes {ev.zeroshot_classes!r}: no such file",
         )
+
+
+IMAGENET_CLASSES = 1000
+
+
+def imagenet_class_folders(folder: str, flag: str) -> dict[str, int]:
+    """An ImageNet-style folder's class sub-folders -> index into open_clip's 1000 IMAGENET_CLASSNAMES.
+
+    Folders named by class index (0-999: ImageNetV2's layout, or any subset of the classes) are that class;
+    otherwise there must be 1000 of them, in ImageFolder's order (sorted names: ImageNet's synset folders
+    n01440764 ... sort into ImageNet's class order, which IMAGENET_CLASSNAMES follows)."""
+    root = Path(folder).expanduser()
+    _need(root.is_dir(), f"{flag} {folder!r}: no such folder")
+    names = sorted(p.name for p in root.iterdir() if p.is_dir())
+    if names and all(n.isdigit() and int(n) < IMAGENET_CLASSES for n in names):
+        return {n: int(n) for n in names}
+    _need(
+        len(names) == IMAGENET_CLASSES,
+        f"{flag} {folder}: expected {IMAGENET_CLASSES} class folders (ImageNet's synsets, in ImageFolder order) or "
+        f"folders named by class index 0-{IMAGENET_CLASSES - 1}; found {len(names)} folders",
+    )
+    return {n: i for i, n in enumerate(names)}
 
 
 def validate(s: TrainSettings) -> None:

@@ -180,11 +180,18 @@ class Trainer:
             run_dir=run_dir,
             every_n_steps=s.eval.val_every_n_steps,
             is_main=info.is_main,
-            every_n_epochs=(
-                s.eval.val_frequency,
-                s.eval.zeroshot_frequency if s.eval.zeroshot_classes else None,
-            ),
+            val_every_n_epochs=s.eval.val_frequency,
+            zeroshot_every_n_epochs=s.eval.zeroshot_frequency,
             steps_per_epoch=self.data.steps_per_epoch,
+            imagenet={
+                flag: folder
+                for flag, folder in (
+                    ("--imagenet-val", s.eval.imagenet_val),
+                    ("--imagenet-v2", s.eval.imagenet_v2),
+                )
+                if folder is not None
+            },
+            batch_size=o.batch_size,
         )
         self.start_step = (
             self.checkpointer.resume(ck.resume, shapes=shapes, is_main=info.is_main) if ck.resume else 0

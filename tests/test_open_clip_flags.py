@@ -257,3 +257,146 @@ def test_model_flags_reach_open_clip():
         and b.model_cfg["text_cfg"]["context_length"] == 16
     )
     assert not any(isinstance(t, T.CenterCrop) for t in b.preprocess_val.transforms)  # squash: resize only
+
+
+# ------------------------------------------------------------------------------------ ImageNet zero-shot
+
+
+def _write_images(root, labels: dict[int, list[int]], images) -> None:
+    """Class folders named by class index (ImageNetV2's layout) holding the given images (PNG)."""
+    from torchvision.transforms.functional import to_pil_image
+
+    for cls, idx in labels.items():
+        (root / str(cls)).mkdir(parents=True, exist_ok=True)
+        for i in idx:
+            to_pil_image(images[i]).save(root / str(cls) / f"{i:03d}.png")
+
+
+@pytest.mark.slow
+def test_imagenet_zeroshot_matches_open_clip_train(tmp_path):
+    """ds_clip's --imagenet-val top-1/top-5 are those of open_clip's own zero-shot classifier
+    (build_zero_shot_classifier with IMAGENET_CLASSNAMES and OPENAI_IMAGENET_TEMPLATES, as open_clip_train
+    builds it). The folder is filed from that classifier's predictions (half the images under their top-1
+    class, half under their 3rd), so the expected accuracies are 0.5 and 1.0, not a random model's 0."""
+    import open_clip
+    import torch
+
+    from ds_clip import evaluate
+    from ds_clip.model import build_model
+    from ds_clip.testing import E2E_MODEL
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "open_clip_config.json").write_text(
+        json.dumps({"model_cfg": E2E_MODEL, "preprocess_cfg": {}})
+    )
+    b = build_model(f"local-dir:{model_dir}", seed=0)
+    model = b.model.eval()
+    torch.manual_seed(0)
+    images = torch.rand(8, 3, 40, 40)
+    classifier = open_clip.build_zero_shot_classifier(
+        model,
+        b.tokenizer,
+        open_clip.IMAGENET_CLASSNAMES,
+        open_clip.OPENAI_IMAGENET_TEMPLATES,
+        num_classes_per_batch=10,
+        device="cpu",
+        use_tqdm=False,
+    ).T  # fmt: skip  ([1000, d]; open_clip keeps it [d, 1000])
+    from torchvision.transforms.functional import to_pil_image
+
+    with torch.no_grad():
+        feats = model.encode_image(
+            torch.stack([b.preprocess_val(to_pil_image(x)) for x in images]), normalize=True
+        )
+    ranked = (feats @ classifier.T).argsort(dim=1, descending=True)
+    labels: dict[int, list[int]] = {}
+    for i in range(8):
+        labels.setdefault(int(ranked[i, 0 if i % 2 == 0 else 2]), []).append(i)
+    _write_images(tmp_path / "val", labels, images)
+
+    def forward(image=None, text=None):
+        return model(image=image, text=text)
+
+    ours = evaluate.imagenet_zeroshot(
+        forward, {"--imagenet-val": str(tmp_path / "val")}, preprocess=b.preprocess_val, tokenizer=b.tokenizer,
+        batch_size=3, device="cpu",
+    )  # fmt: skip
+    assert ours["imagenet-zeroshot-val-samples"] == 8
+    # open_clip's classifier files half the images under their top-1 class, all under one of their top 5
+    assert ours["imagenet-zeroshot-val-top1"] == 0.5
+    assert ours["imagenet-zeroshot-val-top5"] == 1.0
+
+
+def test_imagenet_folder_rule(tmp_path):
+    (tmp_path / "n01440764").mkdir()
+    with pytest.raises(SettingsError, match="--imagenet-val .*expected 1000 class folders.*found 1"):
+        parse_settings(["--imagenet-val", str(tmp_path)])
+    with pytest.raises(SettingsError, match="--imagenet-v2 .*no such folder"):
+        parse_settings(["--imagenet-v2", str(tmp_path / "missing")])
+    (tmp_path / "n01440764").rmdir()
+    for c in ("0", "17", "999"):
+        (tmp_path / c).mkdir()
+    assert parse_settings(["--imagenet-val", str(tmp_path)]).eval.imagenet_val == str(tmp_path)
+
+
+# ------------------------------------------------------------------------------- one open_clip run, end to end
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_open_clip_command_line_trains_under_the_deepspeed_launcher(tmp_path):
+    """An open_clip_train command line (epoch cadences, --save-most-recent, --imagenet-val/--imagenet-v2,
+    --opt lion, --skip-scheduler, open_clip's --precision and --dataset-type names) trains through
+    `deepspeed --num_gpus 2 --module ds_clip.train`: 3 epochs of 4 steps; checkpoints at epoch 2
+    (--save-frequency 2) and the end, epoch 1's --save-most-recent one removed once epoch 2's is complete;
+    --val-data evaluated every epoch, ImageNet zero-shot at epoch 2 (--zeroshot-frequency 2) and the end, on
+    both ranks' shares of the 12 images; Lion (DeepSpeed's CPU Lion under the offload preset; on CUDA its
+    FusedLion) at a constant LR. One launch."""
+    import csv
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from ds_clip.testing import E2E_MODEL
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "open_clip_config.json").write_text(json.dumps({"model_cfg": E2E_MODEL, "preprocess_cfg": {}}))
+    _write_images(tmp_path / "inet", {0: [0, 1, 2], 207: [3, 4, 5], 281: [6, 7, 8], 999: [9, 10, 11]},
+                  torch.rand(12, 3, 40, 40))  # fmt: skip
+    argv = [
+        "--model", f"local-dir:{model}", "--dataset-type", "synthetic", "--train-num-samples", "16",
+        "--batch-size", "2", "--epochs", "3", "--precision", "fp32", "--opt", "lion", "--lr", "1e-3", "--wd", "0.1",
+        "--skip-scheduler", "--warmup", "10000", "--ds-config", "zero2_offload_fp32",
+        "--save-frequency", "2", "--save-most-recent", "--val-data", "synthetic", "--val-num-samples", "8",
+        "--val-frequency", "1", "--zeroshot-frequency", "2", "--imagenet-val", str(tmp_path / "inet"),
+        "--imagenet-v2", str(tmp_path / "inet"), "--workers", "1", "--log-every-n-steps", "1",
+        "--report-to", "csv", "--logs", str(tmp_path / "logs"), "--name", "oc",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{env.get('PATH', '')}"
+    proc = subprocess.run(
+        ["deepspeed", "--num_gpus", "2", "--module", "ds_clip.train", *argv],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    run = tmp_path / "logs" / "oc"
+    assert "optimizer lion (DeepSpeed Lion)" in out and "--precision: DeepSpeed fp32 here" in out
+    assert "removed step_00000004: --save-most-recent" in out
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert ckpts == ["step_00000008", "step_00000012"]
+    rows = list(csv.DictReader((run / "metrics.csv").open()))
+    assert len(rows) == 12 and {float(r["lr"]) for r in rows} == {1e-3}  # no warmup, no decay
+    assert json.loads((run / "ds_config.json").read_text())["optimizer"]["type"] == "Lion"
+    val = {int(r["step"]): r for r in csv.DictReader((run / "val_metrics.csv").open())}
+    assert sorted(val) == [4, 8, 12] and all(val[s]["val_loss"] for s in val)
+    for step, has_imagenet in ((4, False), (8, True), (12, True)):
+        for name in ("imagenet-zeroshot-val", "imagenetv2-zeroshot-val"):
+            assert bool(val[step].get(f"{name}-top1")) == has_imagenet, (step, name)
+            if has_imagenet:
+                assert float(val[step][f"{name}-samples"]) == 12  # both ranks' shares, each image once
+                assert 0 <= float(val[step][f"{name}-top1"]) <= float(val[step][f"{name}-top5"]) <= 1
