@@ -99,7 +99,7 @@ def build_engine(
         table = format_groups(group_table)
         schedule_name = "no" if o.skip_scheduler else o.lr_scheduler
         logger.info(
-            "optimizer %s (DeepSpeed %s), parameter groups (peak lr; %s schedule):\n%s",
+            "optimizer parameter groups (--opt %s: DeepSpeed %s; peak lr; %s schedule):\n%s",
             o.optimizer, ds_json["optimizer"]["type"], schedule_name, table,
         )  # fmt: skip
     engine, *_ = deepspeed.initialize(

@@ -120,7 +120,8 @@ def build_model(
         # (a local-dir: model loads the weights in its own folder; config refuses --pretrained with it)
         kwargs["pretrained"] = pretrained
     if image is not None:
-        kwargs.update({k: v for k, v in dataclasses.asdict(image).items() if v not in (None, False)})
+        # None / False: open_clip's own default (a patch dropout of 0.0 is a value, so no truthiness test)
+        kwargs.update({k: v for k, v in dataclasses.asdict(image).items() if v is not None and v is not False})
     import pickle
 
     try:

@@ -10,7 +10,6 @@ so a flag open_clip adds shows up here. Single process, no engine; the model-fla
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -21,6 +20,7 @@ from ds_clip import train
 from ds_clip.config import ANSWERED, TrainSettings, build_parser, flags, parse_settings
 from ds_clip.ds_config import optimizer_blocker, resolve_ds_config
 from ds_clip.presets import PRECISION_MAP, SettingsError
+from tests.test_config import _doc_generator  # scripts/gen_configuration_doc.py also reads open_clip's parser
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -32,16 +32,6 @@ ADDED_BY_ISSUE_20 = {
     "--distill-model",
     "--distill-pretrained",
 }
-
-
-def _doc_generator():
-    """scripts/gen_configuration_doc.py, which also reads open_clip_train's parser for the docs' table."""
-    spec = importlib.util.spec_from_file_location(
-        "gen_configuration_doc", REPO / "scripts" / "gen_configuration_doc.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _values(action: argparse.Action) -> list[list[str]]:
@@ -385,7 +375,7 @@ def test_open_clip_command_line_trains_under_the_deepspeed_launcher(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     run = tmp_path / "logs" / "oc"
-    assert "optimizer lion (DeepSpeed Lion)" in out and "--precision: DeepSpeed fp32 here" in out
+    assert "optimizer parameter groups (--opt lion: DeepSpeed Lion" in out and "--precision: DeepSpeed fp32 here" in out
     assert "removed step_00000004: --save-most-recent" in out
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert ckpts == ["step_00000008", "step_00000012"]
@@ -400,3 +390,28 @@ def test_open_clip_command_line_trains_under_the_deepspeed_launcher(tmp_path):
             if has_imagenet:
                 assert float(val[step][f"{name}-samples"]) == 12  # both ranks' shares, each image once
                 assert 0 <= float(val[step][f"{name}-top1"]) <= float(val[step][f"{name}-top5"]) <= 1
+
+
+def test_step_and_epoch_cadences_combine():
+    """A step is on a cadence if it is on the step cadence or ends an epoch on the epoch cadence (0/None: off)."""
+    from ds_clip.checkpoint import epochs_done_at, on_cadence
+
+    spe = 4  # steps per epoch
+    assert [epochs_done_at(s, spe) for s in (0, 3, 4, 8, 9)] == [None, None, 1, 2, None]
+    assert epochs_done_at(4, None) is None
+
+    def fired(every_steps, every_epochs):
+        return [s for s in range(1, 17) if on_cadence(s, every_steps, epochs_done_at(s, spe), every_epochs)]
+
+    assert fired(None, 2) == [8, 16]
+    assert fired(6, None) == [6, 12]
+    assert fired(6, 2) == [6, 8, 12, 16]
+    assert fired(None, 0) == [] and fired(None, None) == []
+
+
+def test_skip_scheduler_is_the_peak_from_the_first_step():
+    from ds_clip.schedule import schedule_for
+
+    o = parse_settings(["--skip-scheduler", "--warmup", "100"]).optim
+    sched = schedule_for(o, total_steps=50)
+    assert [sched.multiplier(s) for s in (0, 1, 25, 49)] == [1.0] * 4
