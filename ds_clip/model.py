@@ -121,7 +121,9 @@ def build_model(
         kwargs["pretrained"] = pretrained
     if image is not None:
         # None / False: open_clip's own default (a patch dropout of 0.0 is a value, so no truthiness test)
-        kwargs.update({k: v for k, v in dataclasses.asdict(image).items() if v is not None and v is not False})
+        kwargs.update(
+            {k: v for k, v in dataclasses.asdict(image).items() if v is not None and v is not False}
+        )
     import pickle
 
     try:

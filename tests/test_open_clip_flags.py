@@ -375,7 +375,10 @@ def test_open_clip_command_line_trains_under_the_deepspeed_launcher(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     run = tmp_path / "logs" / "oc"
-    assert "optimizer parameter groups (--opt lion: DeepSpeed Lion" in out and "--precision: DeepSpeed fp32 here" in out
+    assert (
+        "optimizer parameter groups (--opt lion: DeepSpeed Lion" in out
+        and "--precision: DeepSpeed fp32 here" in out
+    )
     assert "removed step_00000004: --save-most-recent" in out
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert ckpts == ["step_00000008", "step_00000012"]
