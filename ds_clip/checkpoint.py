@@ -58,8 +58,11 @@ class ResumeSettingsError(UserError):
 # weight_decay, betas and eps from the optimizer state, and the LR scheduler's state restores every group's
 # peak (base_lrs). A changed flag would be parsed, logged, and then overwritten by the old value. The
 # schedule's shape (--warmup, --lr-scheduler, --epochs...) is rebuilt from the flags and does take effect.
+# --opt too: the optimizer state of one optimizer is no state of another (a checkpoint without the key is from
+# before --opt, i.e. AdamW).
 RESUME_FIXED = ("lr", "visual_lr", "text_lr", "wd", "visual_wd", "text_wd", "visual_ld", "text_ld",
-                "beta1", "beta2", "eps")  # fmt: skip
+                "beta1", "beta2", "eps", "optimizer", "momentum")  # fmt: skip
+_RESUME_FLAGS = {"optimizer": "--opt"}  # fields whose flag is not "--" + the name
 # Per-tower flags default to the shared one (--visual-lr none = --lr): compare what each resolves to.
 _RESUME_DEFAULTS = {"visual_lr": "lr", "text_lr": "lr", "visual_wd": "wd", "text_wd": "wd"}
 
@@ -72,7 +75,7 @@ def check_resume_settings(saved: dict[str, Any], current: dict[str, Any], flag: 
         return settings.get(_RESUME_DEFAULTS[name]) if value is None and name in _RESUME_DEFAULTS else value
 
     changed = [
-        f"--{n.replace('_', '-')} {resolved(saved, n)} there, {resolved(current, n)} here"
+        f"{_RESUME_FLAGS.get(n, '--' + n.replace('_', '-'))} {resolved(saved, n)} there, {resolved(current, n)} here"
         for n in RESUME_FIXED
         if n in saved and resolved(saved, n) != resolved(current, n)
     ]

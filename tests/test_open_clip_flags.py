@@ -418,3 +418,18 @@ def test_skip_scheduler_is_the_peak_from_the_first_step():
     o = parse_settings(["--skip-scheduler", "--warmup", "100"]).optim
     sched = schedule_for(o, total_steps=50)
     assert [sched.multiplier(s) for s in (0, 1, 25, 49)] == [1.0] * 4
+
+
+def test_resume_refuses_another_optimizer():
+    """A checkpoint's optimizer state belongs to its --opt (and --momentum): a resume with another is exit 2."""
+    from ds_clip.checkpoint import ResumeSettingsError, check_resume_settings
+    from ds_clip.config import settings_to_dict
+
+    saved = settings_to_dict(parse_settings(["--opt", "sgd", "--momentum", "0.9"]))
+    with pytest.raises(ResumeSettingsError, match="--opt sgd there, adamw here"):
+        check_resume_settings(saved, settings_to_dict(parse_settings([])), "--resume x")
+    check_resume_settings(saved, dict(saved), "--resume x")
+    old = {
+        k: v for k, v in saved.items() if k not in ("optimizer", "momentum")
+    }  # a checkpoint from before --opt
+    check_resume_settings(old, settings_to_dict(parse_settings([])), "--resume x")
