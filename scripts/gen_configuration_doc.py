@@ -65,8 +65,8 @@ A key that merely repeats the flag's value is fine. In particular:
 | `bf16.enabled`, `fp16.enabled` (`bfloat16` too) | `--precision` | fp16 gets `loss_scale: 0` (dynamic) unless the preset sets it |
 | `torch_autocast.enabled: true` | refused | precision comes from `--precision` |
 | `gradient_clipping` | `--grad-clip-norm` (0 when absent) | |
-| `optimizer.type` | AdamW | |
-| `optimizer.params.lr / betas / eps / weight_decay` | `--lr`, `--beta1/--beta2`, `--eps`, `--wd` | `torch_adam`, `foreach`, `fp32_optimizer_states` may be set (kernel choice) |
+| `optimizer.type` | `--opt` (`AdamW`, `Lamb`, `Lion`, `SGD`) | |
+| `optimizer.params.lr / betas / eps / weight_decay / momentum` | `--lr`, `--beta1/--beta2`, `--eps`, `--wd`, `--momentum` | each optimizer gets the ones its class takes; with AdamW `torch_adam`, `foreach`, `fp32_optimizer_states` may be set (kernel choice) |
 | `scheduler` | refused | ds_clip runs its own cosine schedule with linear warmup (`--lr`, `--warmup`) |
 | `elasticity` | refused | it changes batch sizes |
 | `gradient_allreduce_op`, `managed_gradient_accumulation` | the accumulation step's values | the step relies on them |
@@ -77,7 +77,10 @@ there, upstream PR #8393 open): use bf16 or `--zero-stage 1`-`3`.
 ds_clip also sets `zero_allow_untested_optimizer: true` (torch AdamW under ZeRO), and, unless the
 preset sets them, `steps_per_print` huge and `wall_clock_breakdown: false` (ds_clip logs itself).
 The optimizer is `torch.optim.AdamW` (`torch_adam: true`), except when the preset offloads the
-optimizer (`offload_optimizer.device` cpu or nvme): DeepSpeed's CPU Adam then runs it.
+optimizer (`offload_optimizer.device` cpu or nvme): DeepSpeed's CPU Adam then runs it. `--opt` picks
+another one DeepSpeed builds from the JSON (DeepSpeed 0.19.8, measured): `lamb` is FusedLamb (CUDA only;
+refused with offload and on a CPU-only machine), `lion` is FusedLion on CUDA and DeepSpeed's CPU Lion under
+offload (refused on a CPU-only machine without offload), `sgd` is `torch.optim.SGD` anywhere.
 
 All of this is checked at parse time, in one pass (`ds_clip.config.validate`), before any process group
 starts (the world size, for `train_batch_size`, only when the engine starts).
