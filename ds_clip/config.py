@@ -183,6 +183,10 @@ class ModelSettings:
     image_resize_mode: str | None = opt(None, choices=IMAGE_RESIZE_MODES)
     """Resize (and crop) mode of the evaluation transforms: "shortest" side to the image size then centre
     crop, "longest" side then pad, "squash" (no crop); none: the model's. Training crops are unchanged."""
+    use_bn_sync: bool = opt(False, open_clip="differs: refused on the CPU (torch's SyncBatchNorm needs GPUs)")
+    """BatchNorm towers (open_clip's ResNets): normalise with the statistics of the micro-batch on all ranks
+    (torch's SyncBatchNorm, m x W samples) instead of each rank's m. GPUs only: SyncBatchNorm refuses CPU
+    tensors."""
     force_quick_gelu: bool = opt(False)
     """Build the model with QuickGELU activations (as OpenAI's weights were trained)."""
     force_custom_text: bool = opt(False)
@@ -593,11 +597,6 @@ ANSWERED: dict[str, tuple[bool, str]] = {
         False,
         "ds_clip downloads no ImageNet weights for the image tower: load a whole model's weights with "
         "--pretrained FILE|DIR",
-    ),
-    "--use-bn-sync": (
-        False,
-        "ds_clip's cached step computes BatchNorm statistics per micro-batch and does not synchronise them "
-        "across ranks (no SyncBatchNorm yet): drop it, or use a transformer image tower",
     ),
     "--torchscript": (
         False,

@@ -328,6 +328,18 @@ def optimizer_blocker(s: TrainSettings, accelerator: str) -> str | None:
     return None
 
 
+def bn_sync_blocker(s: TrainSettings, accelerator: str) -> str | None:
+    """Why --use-bn-sync cannot run here, else None: torch's SyncBatchNorm forward refuses CPU tensors whenever
+    a process group exists, one rank included (torch.nn.SyncBatchNorm.forward: "expected input tensor to be on
+    GPU"; measured with torch 2.14)."""
+    if not s.model.use_bn_sync or accelerator != "cpu":
+        return None
+    return (
+        "--use-bn-sync on the CPU: torch's SyncBatchNorm runs on GPUs only (its forward refuses CPU tensors); "
+        "drop it (each rank then normalises with its own micro-batch) or run on GPUs"
+    )
+
+
 def check_preset(s: TrainSettings) -> None:
     """Raise SettingsError if the preset is missing, unreadable or disagrees with the flags.
 
@@ -369,6 +381,7 @@ __all__ = [
     "coalesce_fallback",
     "optimizer_block",
     "optimizer_blocker",
+    "bn_sync_blocker",
     "list_presets",
     "load_preset",
     "preset_label",

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ds_clip.config import SettingsError, TrainSettings
-from ds_clip.ds_config import coalesce_fallback, optimizer_blocker, resolve_ds_config
+from ds_clip.ds_config import bn_sync_blocker, coalesce_fallback, optimizer_blocker, resolve_ds_config
 from ds_clip.loss import ContrastiveLoss, LossSpec, resolve_impl
 from ds_clip.model import ModelBundle, build_model, prepare_for_deepspeed
 from ds_clip.optim import format_groups, param_groups_for
@@ -65,6 +65,12 @@ def build_model_bundle(s: TrainSettings) -> ModelBundle:
             text_freeze_layer_norm=m.lock_text_freeze_layer_norm,
         ),
     )
+    if m.use_bn_sync:
+        # As open_clip_train does, after locking (a frozen BatchNorm is no longer a _BatchNorm): the cached step
+        # freezes SyncBatchNorm's running statistics in its no-grad pass as it does BatchNorm's (a subclass).
+        import torch
+
+        bundle.model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(bundle.model)
     prepare_for_deepspeed(bundle.model)
     return bundle
 
@@ -85,9 +91,10 @@ def build_engine(
     from deepspeed.accelerator import get_accelerator
 
     ds_json = resolve_ds_config(s, world_size)
-    why_not = optimizer_blocker(s, get_accelerator().device_name())
-    if why_not is not None:  # before DeepSpeed fails inside its op builder
-        raise SettingsError(why_not)
+    accelerator = get_accelerator().device_name()
+    for why_not in (optimizer_blocker(s, accelerator), bn_sync_blocker(s, accelerator)):
+        if why_not is not None:  # before DeepSpeed fails inside its op builder, or torch in the first forward
+            raise SettingsError(why_not)
     o, loss = s.optim, s.loss
     # Per-tower groups, each with its own "lr"/"weight_decay"; the schedule scales each from its own peak.
     groups, group_table = param_groups_for(bundle.model, o)

@@ -61,16 +61,16 @@ def dry_run(s: TrainSettings) -> None:
     and the JSON are printed as the run folder would get them. No process group, no model, no files."""
     from deepspeed.accelerator import get_accelerator  # (deepspeed's import, not a process group)
 
-    from ds_clip.ds_config import optimizer_blocker, resolve_ds_config
+    from ds_clip.ds_config import bn_sync_blocker, optimizer_blocker, resolve_ds_config
     from ds_clip.errors import UserError as _UserError
     from ds_clip.presets import precision_mapping_text
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     ds_json = resolve_ds_config(s, world_size)
     accelerator = get_accelerator().device_name()
-    why_not = optimizer_blocker(s, accelerator)
-    if why_not is not None:
-        raise _UserError(why_not)
+    for why_not in (optimizer_blocker(s, accelerator), bn_sync_blocker(s, accelerator)):
+        if why_not is not None:
+            raise _UserError(why_not)
     print(f"# settings ({s.logging.logs}/{s.logging.name}/settings.json)")
     print(json.dumps(settings_to_dict(s), indent=2))
     print(f"# --precision: DeepSpeed {s.dist.precision} ({precision_mapping_text()})")

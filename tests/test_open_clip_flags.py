@@ -433,3 +433,29 @@ def test_resume_refuses_another_optimizer():
         k: v for k, v in saved.items() if k not in ("optimizer", "momentum")
     }  # a checkpoint from before --opt
     check_resume_settings(old, settings_to_dict(parse_settings([])), "--resume x")
+
+
+def test_use_bn_sync_converts_batchnorm_and_is_refused_on_the_cpu(tmp_path, capsys):
+    """--use-bn-sync turns a ResNet tower's BatchNorm into SyncBatchNorm, after locking, as open_clip_train does
+    (the cached step's no-grad pass freezes running statistics of any _BatchNorm, SyncBatchNorm included). torch's
+    SyncBatchNorm refuses CPU tensors in a process group (one rank too), so the CPU is refused before starting;
+    on GPUs it is not refused (the GPU run itself is not checked here: no GPU on the CI machines)."""
+    import torch
+
+    from ds_clip.ds_config import bn_sync_blocker
+    from ds_clip.engine import build_model_bundle
+    from ds_clip.testing import write_model_dirs
+
+    model = write_model_dirs(tmp_path)["resnet_bn"]
+    s = parse_settings(["--model", model, "--use-bn-sync"])
+    bns = [
+        m
+        for m in build_model_bundle(s).model.modules()
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+    ]
+    assert bns and all(isinstance(m, torch.nn.SyncBatchNorm) for m in bns)
+    assert "GPUs only" in bn_sync_blocker(s, "cpu") and bn_sync_blocker(s, "cuda") is None
+    assert bn_sync_blocker(parse_settings(["--model", model]), "cpu") is None
+    if not torch.cuda.is_available():  # (DeepSpeed's accelerator is the CPU here)
+        assert train.main(["--dry-run", "--model", model, "--use-bn-sync"]) == 2
+        assert "--use-bn-sync on the CPU" in capsys.readouterr().err
