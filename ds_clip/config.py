@@ -522,8 +522,9 @@ class DistSettings:
         open_clip="differs: open_clip's names, each mapped onto a DeepSpeed precision; default amp there",
     )
     """DeepSpeed precision: "fp32", "bf16" (bf16 weights, fp32 master copy in the optimizer) or "fp16" (the
-    same with dynamic loss scaling). open_clip's names map onto them: amp, fp16, pure_fp16 -> fp16; amp_bf16, amp_bfloat16, bf16,
-    pure_bf16 -> bf16; fp32 -> fp32 (DeepSpeed's master copy is between open_clip's amp and pure modes)."""
+    same with dynamic loss scaling). open_clip's names map onto them: amp, fp16, pure_fp16 -> fp16;
+    amp_bf16, amp_bfloat16, bf16, pure_bf16 -> bf16; fp32 -> fp32 (DeepSpeed's master copy is between
+    open_clip's amp and pure modes)."""
     coalesce_grad_reduction: str = opt("off", choices=("auto", "on", "off"), open_clip="ds_clip only")
     """One gradient reduction per optimizer step on ZeRO 1-3 (DeepSpeed's engine.coalesce_grad_reduction()
     around the k backward passes): "on" (refused where DeepSpeed does not allow it: ZeRO-0, a BF16/FP16
