@@ -58,8 +58,11 @@ class ResumeSettingsError(UserError):
 # weight_decay, betas and eps from the optimizer state, and the LR scheduler's state restores every group's
 # peak (base_lrs). A changed flag would be parsed, logged, and then overwritten by the old value. The
 # schedule's shape (--warmup, --lr-scheduler, --epochs...) is rebuilt from the flags and does take effect.
+# --opt too: the optimizer state of one optimizer is no state of another (a checkpoint without the key is from
+# before --opt, i.e. AdamW).
 RESUME_FIXED = ("lr", "visual_lr", "text_lr", "wd", "visual_wd", "text_wd", "visual_ld", "text_ld",
-                "beta1", "beta2", "eps")  # fmt: skip
+                "beta1", "beta2", "eps", "optimizer", "momentum")  # fmt: skip
+_RESUME_FLAGS = {"optimizer": "--opt"}  # fields whose flag is not "--" + the name
 # Per-tower flags default to the shared one (--visual-lr none = --lr): compare what each resolves to.
 _RESUME_DEFAULTS = {"visual_lr": "lr", "text_lr": "lr", "visual_wd": "wd", "text_wd": "wd"}
 
@@ -72,7 +75,7 @@ def check_resume_settings(saved: dict[str, Any], current: dict[str, Any], flag: 
         return settings.get(_RESUME_DEFAULTS[name]) if value is None and name in _RESUME_DEFAULTS else value
 
     changed = [
-        f"--{n.replace('_', '-')} {resolved(saved, n)} there, {resolved(current, n)} here"
+        f"{_RESUME_FLAGS.get(n, '--' + n.replace('_', '-'))} {resolved(saved, n)} there, {resolved(current, n)} here"
         for n in RESUME_FIXED
         if n in saved and resolved(saved, n) != resolved(current, n)
     ]
@@ -600,9 +603,27 @@ def _copy_slice(dst: torch.Tensor, full: torch.Tensor, rank: int) -> None:
 # ----------------------------------------------------------------------------------------- the cadence
 
 
+def epochs_done_at(step: int, steps_per_epoch: int | None) -> int | None:
+    """The number of epochs completed when optimizer step ``step`` ends one, else None (epoch cadences)."""
+    if not steps_per_epoch or step <= 0 or step % steps_per_epoch:
+        return None
+    return step // steps_per_epoch
+
+
+def on_cadence(
+    step: int, every_n_steps: int | None, epochs_done: int | None, every_n_epochs: int | None
+) -> bool:
+    """A step cadence and an epoch cadence combine: the step is on either one (0 or None: off)."""
+    on_steps = bool(every_n_steps) and step % every_n_steps == 0
+    return on_steps or (
+        epochs_done is not None and bool(every_n_epochs) and epochs_done % every_n_epochs == 0
+    )
+
+
 class Checkpointer:
-    """When the trainer saves, and what a save records: owns ``--save-every-n-steps``, ``--keep-checkpoints``
-    and ``--resume``. Every rank holds one and calls every method (saves and loads are collectives)."""
+    """When the trainer saves, and what a save records: owns ``--save-every-n-steps``, ``--save-frequency``
+    (epochs), ``--save-most-recent``, ``--keep-checkpoints`` (``--delete-previous-checkpoint``: 1) and
+    ``--resume``. Every rank holds one and calls every method (saves and loads are collectives)."""
 
     def __init__(
         self,
@@ -612,24 +633,49 @@ class Checkpointer:
         *,
         settings: dict[str, Any],
         meta: dict[str, Any],
-        every_n_steps: int,
+        every_n_steps: int | None,
         keep: int | None,
         global_batch: int,
+        every_n_epochs: int | None = None,
+        most_recent: bool = False,
+        steps_per_epoch: int | None = None,
     ) -> None:
         self.engine, self.run_dir, self.data = engine, Path(run_dir), data
         self.settings, self.meta = settings, meta
         self.every_n_steps, self.keep, self.global_batch = every_n_steps, keep, global_batch
+        self.every_n_epochs, self.most_recent, self.steps_per_epoch = (
+            every_n_epochs,
+            most_recent,
+            steps_per_epoch,
+        )
+        self._recent_only: Path | None = None
+        """The last checkpoint saved only for --save-most-recent: deleted once a newer one is complete."""
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int, *, recent_only: bool = False) -> Path:
         meta = {**self.meta, "epoch": self.data.epoch, "samples_seen": step * self.global_batch}
-        return save(
+        path = save(
             self.engine, self.run_dir, step, self.data.state_dict(), self.settings, meta=meta, keep=self.keep
         )
+        previous, self._recent_only = self._recent_only, (path if recent_only else None)
+        if previous is not None and previous != path and _rank() == 0 and previous.exists():
+            # The marker goes first (as in prune): a deletion cut short leaves a folder that reads as partial.
+            (previous / MARKER).unlink(missing_ok=True)
+            shutil.rmtree(previous, ignore_errors=True)
+            logger.info(
+                "removed %s: --save-most-recent keeps the newest epoch's checkpoint only", previous.name
+            )
+        return path
 
     def maybe_save(self, step: int, total_steps: int) -> None:
-        """Save on the cadence; the last step is saved by ``save`` at the end of the run, once."""
-        if self.every_n_steps and step % self.every_n_steps == 0 and step < total_steps:
+        """Save on the step or epoch cadence, or at an epoch's end for --save-most-recent; the last step is
+        saved by ``save`` at the end of the run, once."""
+        if step >= total_steps:
+            return
+        epochs = epochs_done_at(step, self.steps_per_epoch)
+        if on_cadence(step, self.every_n_steps, epochs, self.every_n_epochs):
             self.save(step)
+        elif epochs is not None and self.most_recent:
+            self.save(step, recent_only=True)
 
     def resume(self, resume: str, *, shapes: dict[str, list[int]], is_main: bool) -> int:
         """Load ``--resume`` into the engine and the data position; returns the step to continue from."""

@@ -35,13 +35,22 @@ from pathlib import Path
 from typing import Any
 
 from ds_clip.ds_config import check_preset
-from ds_clip.presets import SettingsError, preset_precision
+from ds_clip.presets import (
+    DEEPSPEED_PRECISIONS,
+    OPTIMIZERS,
+    PRECISION_NAMES,
+    SettingsError,
+    deepspeed_precision,
+    preset_precision,
+)
 from ds_clip.urls import ShardPatternError, expand_shards
 
 BUILTIN_MODELS = ("ds-clip-tiny", "ds-clip-tiny-siglip")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = DEEPSPEED_PRECISIONS  # what a parsed --precision holds (open_clip's names are mapped onto these)
 LOSS_IMPLS = ("auto", "dense", "tiled")
 DATASET_TYPES = ("synthetic", "webdataset", "csv")
+DATASET_TYPE_CHOICES = (*DATASET_TYPES, "auto")
+IMAGE_RESIZE_MODES = ("shortest", "longest", "squash")
 IMAGE_INTERPOLATIONS = ("bicubic", "bilinear", "random")
 REPORTERS = ("tensorboard", "csv", "wandb")
 LR_SCHEDULERS = ("cosine", "const", "const-cooldown")
@@ -171,6 +180,19 @@ class ModelSettings:
     image_interpolation: str | None = opt(None, choices=IMAGE_INTERPOLATIONS)
     """Resize interpolation of the transforms ("random": a random one per training image); none: the
     model's."""
+    image_resize_mode: str | None = opt(None, choices=IMAGE_RESIZE_MODES)
+    """Resize (and crop) mode of the evaluation transforms: "shortest" side to the image size then centre
+    crop, "longest" side then pad, "squash" (no crop); none: the model's. Training crops are unchanged."""
+    use_bn_sync: bool = opt(False, open_clip="differs: refused on the CPU (torch's SyncBatchNorm needs GPUs)")
+    """BatchNorm towers (open_clip's ResNets): normalise with the statistics of the micro-batch on all ranks
+    (torch's SyncBatchNorm, m x W samples) instead of each rank's m. GPUs only: SyncBatchNorm refuses CPU
+    tensors."""
+    force_quick_gelu: bool = opt(False)
+    """Build the model with QuickGELU activations (as OpenAI's weights were trained)."""
+    force_custom_text: bool = opt(False)
+    """Build the model as open_clip's CustomTextCLIP (the text tower in its own "text" module)."""
+    force_context_length: int | None = opt(None, metavar="TOKENS", unit="tokens")
+    """Text context length of the model and its tokenizer; none: the model config's."""
     aug_cfg: list[str] = opt(
         default_factory=list, metavar="KEY=VALUE", nargs="*", open_clip="same (stored as its KEY=VALUE words)"
     )
@@ -195,13 +217,14 @@ class DataSettings:
     of source i is drawn with weight F_i (so a source's share also grows with its shard count)."""
     dataset_type: str = opt(
         "synthetic",
-        choices=DATASET_TYPES,
+        choices=DATASET_TYPE_CHOICES,
         derived=True,
-        default_text="synthetic without --train-data; with it csv for a .csv/.tsv file, else webdataset",
-        open_clip="differs: no auto (derived as described); synthetic renders ds_clip's captioned shapes",
+        default_text="auto: synthetic without --train-data; with it csv for a .csv/.tsv file, else webdataset",
+        open_clip="differs: auto also picks synthetic without --train-data; synthetic renders ds_clip's "
+        "captioned shapes",
     )
-    """"synthetic" (rendered pairs, no files), "webdataset" (tar shards) or "csv" (a CSV/TSV file of image
-    paths and captions, open_clip's CsvDataset columns)."""
+    """"synthetic" (rendered pairs, no files), "webdataset" (tar shards), "csv" (a CSV/TSV file of image
+    paths and captions, open_clip's CsvDataset columns) or "auto" (as the default)."""
     train_num_samples: int | None = opt(
         None,
         metavar="N",
@@ -299,12 +322,28 @@ class OptimSettings:
     text_ld: float = opt(1.0, metavar="LD", open_clip="ds_clip only (EVA-CLIP's --text-ld)")
     """Layer-wise LR decay of the text tower, as --visual-ld (token and positional embedding: layer 0;
     ln_final, text_projection: layer L+1). 1: off."""
+    optimizer: str = opt(
+        "adamw",
+        flag="--opt",
+        metavar="NAME",
+        open_clip="differs: DeepSpeed's config-built adamw, lamb, lion, sgd (open_clip: adamw or timm/NAME)",
+    )
+    """Optimizer, built by DeepSpeed from its JSON (so ZeRO partitions it and offload presets run it on the
+    CPU): "adamw" (torch AdamW; DeepSpeed's CPU Adam under offload), "lamb" (DeepSpeed's FusedLamb: CUDA
+    only, no offload), "lion" (FusedLion on CUDA, DeepSpeed's CPU Lion under offload; on a CPU-only machine
+    only with an offload preset), "sgd" (torch SGD, --momentum). Per-tower groups and the LR schedule apply
+    to each."""
+    momentum: float | None = opt(None, metavar="M", default_text="0 (--opt sgd only)")
+    """Momentum of --opt sgd (the other optimizers have --beta1/--beta2 instead)."""
+    skip_scheduler: bool = opt(False)
+    """No LR schedule: every group trains at its peak LR from the first step (no warmup, no decay), as
+    open_clip without a scheduler."""
     beta1: float = opt(0.9, metavar="B1", open_clip="differs: default from the model there (0.9 for ViTs)")
-    """AdamW beta1 (first-moment decay)."""
+    """beta1 of AdamW, Lamb and Lion (first-moment decay)."""
     beta2: float = opt(0.98, metavar="B2", open_clip="differs: default from the model there (0.98 for ViTs)")
-    """AdamW beta2 (second-moment decay)."""
+    """beta2 of AdamW, Lamb and Lion (second-moment decay)."""
     eps: float = opt(1e-6, metavar="EPS", open_clip="differs: default from the model there (1e-6 for ViTs)")
-    """AdamW epsilon."""
+    """Epsilon of AdamW and Lamb."""
     grad_clip_norm: float | None = opt(None, metavar="NORM", unit="L2 norm")
     """Clip the global gradient L2 norm to this value (DeepSpeed gradient_clipping); none: no clipping."""
     max_skipped_steps: int = opt(10, metavar="N", unit="steps", open_clip="ds_clip only")
@@ -341,7 +380,25 @@ class CheckpointSettings:
         default_text="the end only",
         open_clip="differs: open_clip has --save-frequency, in epochs",
     )
-    """Save a DeepSpeed checkpoint every this many optimizer steps (and always at the end)."""
+    """Save a DeepSpeed checkpoint every this many optimizer steps (and always at the end); with
+    --save-frequency, at the steps of either."""
+    save_frequency: int | None = opt(
+        None,
+        metavar="EPOCHS",
+        unit="epochs",
+        default_text="the end only",
+        open_clip="differs: default 1 there (every epoch); 0 = none here too",
+    )
+    """Save a checkpoint at the end of every this many epochs (0: no epoch saves), besides
+    --save-every-n-steps and the end of the run."""
+    save_most_recent: bool = opt(
+        False, open_clip="differs: a DeepSpeed checkpoint folder, not epoch_latest.pt"
+    )
+    """Also save at the end of every epoch, keeping only the most recent such checkpoint (the ones
+    --save-frequency / --save-every-n-steps save are kept)."""
+    delete_previous_checkpoint: bool = opt(False)
+    """Keep only the newest complete checkpoint: the previous one is deleted once a new one is complete
+    (the same as --keep-checkpoints 1)."""
     keep_checkpoints: int | None = opt(
         None,
         metavar="N",
@@ -370,7 +427,44 @@ class EvalSectionSettings:
         default_text="the end only",
         open_clip="differs: open_clip has --val-frequency, in epochs",
     )
-    """Evaluate on --val-data every this many optimizer steps (and always at the end)."""
+    """Evaluate on --val-data every this many optimizer steps (and always at the end); with
+    --val-frequency / --zeroshot-frequency, at the steps of any of them."""
+    val_frequency: int | None = opt(
+        None,
+        metavar="EPOCHS",
+        unit="epochs",
+        default_text="the end only",
+        open_clip="differs: default 1 there (every epoch)",
+    )
+    """Evaluate on --val-data at the end of every this many epochs (0: never mid-run), besides
+    --val-every-n-steps and the end of the run."""
+    zeroshot_frequency: int | None = opt(
+        None,
+        metavar="EPOCHS",
+        unit="epochs",
+        default_text="the end only",
+        open_clip="differs: default 2 there",
+    )
+    """Zero-shot evaluation (--zeroshot-classes) at the end of every this many epochs (0: never
+    mid-run), besides the end of the run; without zero-shot data it has nothing to do (as in open_clip)."""
+    zeroshot_classes: str | None = opt(
+        None, metavar="FILE", open_clip="ds_clip only (open_clip: --imagenet-val)"
+    )
+    imagenet_val: str | None = opt(
+        None,
+        metavar="DIR",
+        open_clip="differs: also class folders named by index 0-999 (a subset of the classes)",
+    )
+    """Zero-shot top-1/top-5 on an ImageNet validation folder (torchvision ImageFolder layout) with open_clip's
+    1000 ImageNet class names and its 80 OpenAI templates, each rank classifying its share of the images, at
+    --zeroshot-frequency and at the end. Class folders: 1000 (sorted as ImageFolder sorts them: ImageNet's
+    synset folders give ImageNet's class order), or folders named by class index 0-999 (ImageNetV2's layout;
+    any subset of the classes, still classified among all 1000)."""
+    imagenet_v2: str | None = opt(
+        None, metavar="DIR", open_clip="differs: a local ImageNetV2 folder (class folders 0-999); no download"
+    )
+    """As --imagenet-val, on a local ImageNetV2 folder (e.g. imagenetv2-matched-frequency-format-val, class
+    folders named 0-999)."""
     zeroshot_classes: str | None = opt(
         None, metavar="FILE", open_clip="ds_clip only (open_clip: --imagenet-val)"
     )
@@ -397,6 +491,15 @@ class LoggingSettings:
         open_clip="differs: a comma list of tensorboard, csv, wandb",
     )
     """Metric sinks besides the console, comma-separated: any of "tensorboard", "csv", "wandb"."""
+    wandb_project_name: str = opt("ds_clip", metavar="NAME", open_clip="differs: default open-clip there")
+    """Weights & Biases project of the run (--report-to wandb)."""
+    wandb_notes: str = opt("", metavar="TEXT")
+    """Weights & Biases notes of the run (--report-to wandb)."""
+    log_local: bool = opt(False, open_clip="differs: console lines (ds_clip writes no out.log)")
+    """Log on every node's first rank (local rank 0), each line prefixed with its rank; default: rank 0
+    only."""
+    debug: bool = opt(False, open_clip="differs: DEBUG level for ds_clip's own log lines")
+    """Log ds_clip's debug lines too."""
 
 
 @dataclass
@@ -413,12 +516,15 @@ class DistSettings:
     """ZeRO stage 0-3, overriding the preset's zero_optimization.stage."""
     precision: str = opt(
         "fp32",
-        choices=PRECISIONS,
+        choices=PRECISION_NAMES,
         derived=True,
         default_text="the preset's, else fp32",
-        open_clip="differs: fp32, bf16, fp16 through DeepSpeed (open_clip: amp, amp_bf16, pure_bf16...)",
+        open_clip="differs: open_clip's names, each mapped onto a DeepSpeed precision; default amp there",
     )
-    """DeepSpeed mixed precision: "fp32", "bf16" or "fp16" (dynamic loss scaling)."""
+    """DeepSpeed precision: "fp32", "bf16" (bf16 weights, fp32 master copy in the optimizer) or "fp16" (the
+    same with dynamic loss scaling). open_clip's names map onto them: amp, fp16, pure_fp16 -> fp16;
+    amp_bf16, amp_bfloat16, bf16, pure_bf16 -> bf16; fp32 -> fp32 (DeepSpeed's master copy is between
+    open_clip's amp and pure modes)."""
     coalesce_grad_reduction: str = opt("off", choices=("auto", "on", "off"), open_clip="ds_clip only")
     """One gradient reduction per optimizer step on ZeRO 1-3 (DeepSpeed's engine.coalesce_grad_reduction()
     around the k backward passes): "on" (refused where DeepSpeed does not allow it: ZeRO-0, a BF16/FP16
@@ -426,6 +532,9 @@ class DistSettings:
     logged once and off), "off" (ZeRO-2/3 reduce after every micro-batch, keeping gradients partitioned)."""
     dist_timeout: float = opt(1800.0, metavar="SECONDS", unit="seconds", open_clip="ds_clip only")
     """How long a collective waits for the other ranks before this rank fails (a dead rank)."""
+    dry_run: bool = opt(False, open_clip="ds_clip only")
+    """Parse and check every flag, resolve the DeepSpeed JSON, print the settings and the JSON, exit: no
+    process group, no model."""
     local_rank: int = opt(-1, flag="--local_rank", aliases=("--local-rank",), hidden=True)
     """Appended by the deepspeed launcher (--local_rank=N); not for users, unused otherwise."""
 
@@ -471,6 +580,98 @@ class TrainSettings:
 _SECTIONS: dict[str, type] = {
     f.name: typing.get_type_hints(TrainSettings)[f.name] for f in dataclasses.fields(TrainSettings)
 }
+
+
+# ------------------------------------------------------------------------- open_clip flags ds_clip answers
+
+# open_clip_train's flags that ds_clip has no field for: each is parsed (so argparse never says "unrecognized
+# arguments") and answered with one line, exit 2: why ds_clip has no such thing and what to use instead.
+# option -> (takes a value?, the answer). With the fields above this covers every option of open_clip_train
+# 3.3.0's parser (tests/test_open_clip_flags.py walks that parser).
+ANSWERED: dict[str, tuple[bool, str]] = {
+    "--cache-dir": (
+        True,
+        "ds_clip downloads nothing (no model, tokenizer or weight downloads): pass local weights with "
+        "--pretrained FILE|DIR or a model folder with --model local-dir:DIR",
+    ),
+    "--pretrained-image": (
+        False,
+        "ds_clip downloads no ImageNet weights for the image tower: load a whole model's weights with "
+        "--pretrained FILE|DIR",
+    ),
+    "--torchscript": (
+        False,
+        "DeepSpeed trains the eager module, which torch.jit.script would replace: use --torchcompile (or "
+        "script the exported model, ds-clip-export)",
+    ),
+    "--trace": (
+        False,
+        "torch.jit.trace is for inference and ds_clip trains: trace the exported model (ds-clip-export) instead",
+    ),
+    "--device": (
+        True,
+        "DeepSpeed picks the accelerator (CUDA when there is one, else the CPU; DS_ACCELERATOR=cpu forces the "
+        "CPU) and the launcher the device of each rank: drop it",
+    ),
+    "--dist-url": (
+        True,
+        "the launcher sets the rendezvous (deepspeed, torchrun, mpirun or srun: MASTER_ADDR/MASTER_PORT): drop "
+        "it; see scripts/launch_*.sh",
+    ),
+    "--dist-backend": (
+        True,
+        "DeepSpeed picks the backend from the accelerator (nccl on CUDA, gloo on the CPU): drop it",
+    ),
+    "--horovod": (
+        False,
+        "ds_clip runs on DeepSpeed, not Horovod: launch with deepspeed, torchrun, mpirun or srun "
+        "(scripts/launch_*.sh)",
+    ),
+    "--ddp-static-graph": (
+        False,
+        "there is no DDP wrapper: DeepSpeed's engine reduces the gradients, once per optimizer step (see "
+        "--coalesce-grad-reduction): drop it",
+    ),
+    "--no-set-device-rank": (
+        False,
+        "DeepSpeed sets each rank's device from LOCAL_RANK; with one GPU per process set CUDA_VISIBLE_DEVICES "
+        "and launch with --num_gpus 1 per process: drop it",
+    ),
+    "--copy-codebase": (
+        False,
+        "ds_clip runs the installed package; the run folder keeps settings.json and ds_config.json to "
+        "reproduce a run: drop it",
+    ),
+    "--remote-sync": (
+        True,
+        "ds_clip does not sync the run folder to remote storage: copy <logs>/<name>/checkpoints with your own "
+        "tool (each complete checkpoint has a COMPLETE marker)",
+    ),
+    "--remote-sync-frequency": (True, "goes with --remote-sync, which ds_clip does not have: drop it"),
+    "--remote-sync-protocol": (True, "goes with --remote-sync, which ds_clip does not have: drop it"),
+    "--use-bnb-linear": (
+        True,
+        "bitsandbytes int8 linear layers are not trained by ds_clip (DeepSpeed's precisions: --precision "
+        "fp32, bf16, fp16): drop it",
+    ),
+    "--loss-dist-impl": (
+        True,
+        "ds_clip's loss gathers once per step; choose its layout with --local-loss --gather-with-grad and "
+        "--loss-impl dense|tiled|auto instead",
+    ),
+}
+
+
+def answer(option: str) -> str:
+    """The one line an answered open_clip flag gets (exit 2)."""
+    return f"{option} is open_clip_train's flag: {ANSWERED[option][1]}"
+
+
+class _Answered(argparse.Action):
+    """Parses an answered open_clip flag (with or without its value) and stops with its answer."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise SettingsError(answer(self.option_strings[0]))
 
 
 # ---------------------------------------------------------------------------------------- fields -> flags
@@ -631,6 +832,15 @@ def build_parser() -> argparse.ArgumentParser:
     for section, cls in _SECTIONS.items():
         group = p.add_argument_group(section, (cls.__doc__ or "").split(": ", 1)[-1])
         add_flags(group, [f.name for f in flags() if f.section == section])
+    group = p.add_argument_group(
+        "open_clip flags ds_clip answers",
+        "open_clip_train's flags with no ds_clip counterpart: exit 2 saying why",
+    )
+    for option, (takes_value, why) in ANSWERED.items():
+        group.add_argument(
+            option, action=_Answered, nargs="?" if takes_value else 0, dest=argparse.SUPPRESS,
+            default=argparse.SUPPRESS, help=why.replace("%", "%%"),
+        )  # fmt: skip
     return p
 
 
@@ -640,11 +850,14 @@ def parse_settings(argv: list[str] | None = None) -> TrainSettings:
     Raises SettingsError for bad values; argparse itself exits 2 on malformed flags.
     """
     values: dict[str, Any] = vars(build_parser().parse_args(argv))
-    if values["dataset_type"] is None:  # open_clip's "auto": a .csv/.tsv file is csv, anything else shards
+    if values["dataset_type"] in (None, "auto"):  # a .csv/.tsv file is csv, other data shards, none synthetic
         values["dataset_type"] = _derived_dataset_type(values["train_data"])
     if values["precision"] is None:
         # CLI > preset > default: a preset named for its precision (zero2_bf16) sets --precision.
         values["precision"] = preset_precision(values["ds_config"]) if values["ds_config"] else "fp32"
+    values["precision"] = deepspeed_precision(values["precision"])  # open_clip's names -> DeepSpeed's
+    if values["delete_previous_checkpoint"] and values["keep_checkpoints"] is None:
+        values["keep_checkpoints"] = 1  # open_clip's flag for --keep-checkpoints 1
     s = TrainSettings.of(**values)
     if s.logging.name is None:
         # An automatic name is new every run, so "latest" would silently start from scratch.
@@ -760,7 +973,10 @@ def _check_csv(d: DataSettings) -> None:
 
 def check_data(d: DataSettings) -> None:
     """The rules of the data section alone (also run by ds_clip.data.build_train_data on what it gets)."""
-    _check_choice("dataset_type", d.dataset_type)
+    _need(
+        d.dataset_type in DATASET_TYPES,  # "auto" is derived by parse_settings
+        f"--dataset-type must be one of {', '.join(DATASET_TYPES)}, got {d.dataset_type!r}",
+    )
     _check_min("workers", d.workers, 0)
     _check_min("train_num_samples", d.train_num_samples, 1, optional=True)
     _check_min("synthetic_image_size", d.synthetic_image_size, 8, optional=True)
@@ -786,14 +1002,41 @@ def check_eval(ev: EvalSectionSettings, *, batch_size: int) -> None:
     _check_min("batch_size", batch_size, 1)
     _check_min("val_num_samples", ev.val_num_samples, 1, optional=True)
     _check_min("val_every_n_steps", ev.val_every_n_steps, 1, optional=True)
+    _check_min("val_frequency", ev.val_frequency, 0, optional=True)
+    _check_min("zeroshot_frequency", ev.zeroshot_frequency, 0, optional=True)
     if ev.val_data and ev.val_data != "synthetic":
         _check_shards("--val-data", ev.val_data)
+    for flag, folder in (("--imagenet-val", ev.imagenet_val), ("--imagenet-v2", ev.imagenet_v2)):
+        if folder is not None:
+            imagenet_class_folders(folder, flag)
     if ev.zeroshot_classes is not None:
         _need(bool(ev.val_data), "--zeroshot-classes needs --val-data (the images to classify)")
         _need(
             Path(ev.zeroshot_classes).expanduser().is_file(),
             f"--zeroshot-classes {ev.zeroshot_classes!r}: no such file",
         )
+
+
+IMAGENET_CLASSES = 1000
+
+
+def imagenet_class_folders(folder: str, flag: str) -> dict[str, int]:
+    """An ImageNet-style folder's class sub-folders -> index into open_clip's 1000 IMAGENET_CLASSNAMES.
+
+    Folders named by class index (0-999: ImageNetV2's layout, or any subset of the classes) are that class;
+    otherwise there must be 1000 of them, in ImageFolder's order (sorted names: ImageNet's synset folders
+    n01440764 ... sort into ImageNet's class order, which IMAGENET_CLASSNAMES follows)."""
+    root = Path(folder).expanduser()
+    _need(root.is_dir(), f"{flag} {folder!r}: no such folder")
+    names = sorted(p.name for p in root.iterdir() if p.is_dir())
+    if names and all(n.isdigit() and int(n) < IMAGENET_CLASSES for n in names):
+        return {n: int(n) for n in names}
+    _need(
+        len(names) == IMAGENET_CLASSES,
+        f"{flag} {folder}: expected {IMAGENET_CLASSES} class folders (ImageNet's synsets, in ImageFolder order) or "
+        f"folders named by class index 0-{IMAGENET_CLASSES - 1}; found {len(names)} folders",
+    )
+    return {n: i for i, n in enumerate(names)}
 
 
 def validate(s: TrainSettings) -> None:
@@ -810,6 +1053,7 @@ def validate(s: TrainSettings) -> None:
     _need(0 <= o.beta2 < 1, f"--beta2 must be in [0, 1), got {o.beta2}")
     _check_min("eps", o.eps, 0, strict=True)
     _check_min("warmup", o.warmup, 0)
+    _check_optimizer(o)
     _check_optim_groups_and_schedule(o)
     _need(
         o.grad_clip_norm is None or o.grad_clip_norm > 0,
@@ -825,7 +1069,10 @@ def validate(s: TrainSettings) -> None:
         "drop the other ranks' terms): add --gather-with-grad",
     )
     # dist
-    _check_choice("precision", dist.precision)
+    _need(
+        dist.precision in PRECISIONS,
+        f"--precision must be one of {', '.join(PRECISION_NAMES)}, got {dist.precision!r}",
+    )
     # Whether DeepSpeed allows it (stage, optimizer wrapper, preset) is decided with the preset, in ds_config.
     _check_choice("coalesce_grad_reduction", dist.coalesce_grad_reduction)
     _need(
@@ -837,6 +1084,12 @@ def validate(s: TrainSettings) -> None:
     _check_min("log_every_n_steps", lg.log_every_n_steps, 1)
     _check_min("save_every_n_steps", ck.save_every_n_steps, 1, optional=True)
     _check_min("keep_checkpoints", ck.keep_checkpoints, 1, optional=True)
+    _check_min("save_frequency", ck.save_frequency, 0, optional=True)
+    _need(
+        not ck.delete_previous_checkpoint or ck.keep_checkpoints in (None, 1),
+        f"--delete-previous-checkpoint keeps 1 checkpoint but --keep-checkpoints says {ck.keep_checkpoints}: "
+        "drop one of them",
+    )
     bad = [r for r in lg.report_to if r not in REPORTERS]
     _need(not bad, f"--report-to: unknown {', '.join(bad)}; choose from {', '.join(REPORTERS)}")
     _need(
@@ -865,6 +1118,29 @@ def validate(s: TrainSettings) -> None:
         _need(Path(ck.resume).expanduser().exists(), f"--resume {ck.resume!r}: no such checkpoint folder")
     # The DeepSpeed preset: exists, parses, and agrees with the flags (world size unknown yet).
     check_preset(s)
+
+
+def _check_optimizer(o: OptimSettings) -> None:
+    """--opt names an optimizer DeepSpeed builds from its JSON; --momentum only where it has one. (What the
+    accelerator and the preset's offload allow is decided with the preset: ds_clip.ds_config.)"""
+    if o.optimizer.startswith("timm/"):
+        raise SettingsError(
+            f"--opt {o.optimizer}: ds_clip has DeepSpeed build the optimizer from its JSON (so ZeRO partitions it and "
+            f"offload runs it on the CPU), and timm's optimizers are not among them: use --opt "
+            f"{', '.join(OPTIMIZERS)}"
+        )
+    _need(o.optimizer in OPTIMIZERS, f"--opt must be one of {', '.join(OPTIMIZERS)}, got {o.optimizer!r}")
+    if o.momentum is not None:
+        _need(
+            o.optimizer == "sgd",
+            f"--momentum applies to --opt sgd; {o.optimizer} has no momentum term (its moments: --beta1/--beta2)",
+        )
+        _need(0 <= o.momentum < 1, f"--momentum must be in [0, 1), got {o.momentum}")
+    _need(
+        not o.skip_scheduler or o.lr_scheduler == "cosine",
+        f"--skip-scheduler trains at the peak LR throughout, so --lr-scheduler {o.lr_scheduler} would be "
+        "ignored: drop one of them",
+    )
 
 
 def _check_optim_groups_and_schedule(o: OptimSettings) -> None:
@@ -953,6 +1229,9 @@ def check_model_flags(m: ModelSettings) -> None:
             _need(name != "image_std" or min(values) > 0, f"{option} values must be > 0, got {values}")
     if m.image_interpolation is not None:
         _check_choice("image_interpolation", m.image_interpolation)
+    if m.image_resize_mode is not None:
+        _check_choice("image_resize_mode", m.image_resize_mode)
+    _check_min("force_context_length", m.force_context_length, 1, optional=True)
     if m.aug_cfg:
         aug_cfg_dict(m.aug_cfg)
 

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ds_clip.presets import PRESET_DIR, SettingsError, list_presets, load_preset, preset_label
+from ds_clip.presets import OPTIMIZERS, PRESET_DIR, SettingsError, list_presets, load_preset, preset_label
 
 if TYPE_CHECKING:  # duck-typed: ds_clip.config imports this module to check the preset
     from ds_clip.config import TrainSettings
@@ -214,31 +214,32 @@ def _resolve(s: TrainSettings, world_size: int | None) -> tuple[dict[str, Any], 
         )
     cfg["gradient_clipping"] = clip
 
-    # --- optimizer: AdamW from the flags; the schedule is ds_clip's own (cosine, linear warmup). ---
+    # --- optimizer: --opt from the flags (DeepSpeed builds it); the schedule is ds_clip's own. ---
     if "scheduler" in cfg:
         raise SettingsError(
             f"scheduler in {label}: ds_clip runs its own LR schedule (--lr-scheduler, --lr, --warmup); "
             "remove the scheduler section"
         )
     cpu_optimizer = offload_opt in ("cpu", "nvme")
-    params: dict[str, Any] = {
-        "lr": o.lr,
-        "betas": [o.beta1, o.beta2],
-        "eps": o.eps,
-        "weight_decay": o.wd,
-    }
+    ds_type, params = optimizer_block(s)
+    if o.optimizer == "lamb" and cpu_optimizer:
+        raise SettingsError(
+            f"--opt lamb with zero_optimization.offload_optimizer in {label}: DeepSpeed 0.19.8 builds FusedLamb, "
+            "a CUDA kernel with no CPU version, for the offloaded states: use an optimizer without offload or "
+            "--opt adamw or lion"
+        )
     preset_opt = cfg.get("optimizer")
     if preset_opt is not None:
         if not isinstance(preset_opt, dict):
             raise SettingsError(f"optimizer in {label} must be a JSON object")
         opt_type = preset_opt.get("type", "AdamW")
-        if str(opt_type).lower() != "adamw":
-            raise SettingsError(
-                f"optimizer.type={_js(opt_type)} in {label} conflicts with ds_clip's AdamW: remove it"
-            )
-        flags = {"lr": "--lr", "betas": "--beta1/--beta2", "eps": "--eps", "weight_decay": "--wd"}
+        if str(opt_type).lower() != ds_type.lower():
+            raise _conflict("optimizer.type", opt_type, label, "--opt", o.optimizer)
+        flags = {
+            "lr": "--lr", "betas": "--beta1/--beta2", "eps": "--eps", "weight_decay": "--wd", "momentum": "--momentum"
+        }  # fmt: skip
         for key, value in (preset_opt.get("params") or {}).items():
-            if key in flags:
+            if key in flags and key in params:
                 if not _same(value, params[key]):
                     shown = params[key] if key != "betas" else f"{o.beta1}/{o.beta2}"
                     raise _conflict(f"optimizer.params.{key}", value, label, flags[key], shown)
@@ -246,7 +247,12 @@ def _resolve(s: TrainSettings, world_size: int | None) -> tuple[dict[str, Any], 
                 raise _conflict(
                     "optimizer.params.adam_w_mode", value, label, "--wd", "(decoupled AdamW decay)"
                 )
-            elif key in ("torch_adam", "foreach", "fp32_optimizer_states", "adam_w_mode"):
+            elif o.optimizer == "adamw" and key in (
+                "torch_adam",
+                "foreach",
+                "fp32_optimizer_states",
+                "adam_w_mode",
+            ):
                 params[key] = value  # engine choices: which Adam kernel runs the same update
             else:
                 raise SettingsError(
@@ -254,9 +260,9 @@ def _resolve(s: TrainSettings, world_size: int | None) -> tuple[dict[str, Any], 
                 )
     # torch.optim.AdamW runs anywhere (FusedAdam needs a CUDA build); with the optimizer offloaded to the
     # CPU, DeepSpeed's own CPU Adam is much faster, and torch_adam would take precedence over it.
-    if not cpu_optimizer:
+    if not cpu_optimizer and o.optimizer == "adamw":
         params.setdefault("torch_adam", True)
-    cfg["optimizer"] = {"type": "AdamW", "params": params}
+    cfg["optimizer"] = {"type": ds_type, "params": params}
 
     # --- one gradient reduction per step (--coalesce-grad-reduction): decided here, with the preset. ---
     mode = dist.coalesce_grad_reduction
@@ -281,6 +287,61 @@ def _resolve(s: TrainSettings, world_size: int | None) -> tuple[dict[str, Any], 
     cfg.setdefault("wall_clock_breakdown", False)  # a preset may ask for DeepSpeed's timers
     cfg["zero_allow_untested_optimizer"] = True  # torch AdamW under ZeRO is "untested" to DeepSpeed
     return cfg, (blocker if mode == "auto" else None)
+
+
+def optimizer_block(s: TrainSettings) -> tuple[str, dict[str, Any]]:
+    """--opt -> DeepSpeed's optimizer "type" and the params it takes from the flags (each optimizer only
+    the hyper-parameters its class has; per-group lr and weight_decay come with the parameter groups)."""
+    o = s.optim
+    params: dict[str, Any] = {"lr": o.lr, "weight_decay": o.wd}
+    if o.optimizer in ("adamw", "lamb", "lion"):
+        params["betas"] = [o.beta1, o.beta2]
+    if o.optimizer in ("adamw", "lamb"):
+        params["eps"] = o.eps
+    if o.optimizer == "sgd":
+        params["momentum"] = 0.0 if o.momentum is None else o.momentum
+    return OPTIMIZERS[o.optimizer], params
+
+
+def optimizer_blocker(s: TrainSettings, accelerator: str) -> str | None:
+    """Why DeepSpeed 0.19.8 cannot build --opt on this accelerator ("cuda", "cpu", ...), else None.
+
+    Measured on the CPU accelerator: "Lamb" builds FusedLamb and "Lion" FusedLion, CUDA kernels the CPU
+    accelerator does not implement ("This op had not been implemented on CPU backend"); with the optimizer
+    offloaded "Lion" builds DeepSpeedCPULion (a C++ op, compiled on first use). AdamW and SGD run anywhere.
+    """
+    o = s.optim
+    if accelerator == "cuda":
+        return None
+    offloaded = False
+    try:
+        zero = _resolve(s, world_size=None)[0]["zero_optimization"]
+        offloaded = (zero.get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme")
+    except SettingsError:
+        return None  # the preset's own error is raised by check_preset
+    if o.optimizer == "lamb":
+        return (
+            f"--opt lamb: DeepSpeed 0.19.8 builds FusedLamb, a CUDA kernel, and this machine's accelerator is "
+            f"{accelerator}: use --opt adamw, lion (with an offload preset) or sgd, or a CUDA machine"
+        )
+    if o.optimizer == "lion" and not offloaded:
+        return (
+            f"--opt lion: on the {accelerator} accelerator DeepSpeed 0.19.8 has only its CPU Lion, used when the "
+            "optimizer is offloaded: add --ds-config zero2_offload_fp32 (or another *_offload_* preset)"
+        )
+    return None
+
+
+def bn_sync_blocker(s: TrainSettings, accelerator: str) -> str | None:
+    """Why --use-bn-sync cannot run here, else None: torch's SyncBatchNorm forward refuses CPU tensors whenever
+    a process group exists, one rank included (torch.nn.SyncBatchNorm.forward: "expected input tensor to be on
+    GPU"; measured with torch 2.14)."""
+    if not s.model.use_bn_sync or accelerator != "cpu":
+        return None
+    return (
+        "--use-bn-sync on the CPU: torch's SyncBatchNorm runs on GPUs only (its forward refuses CPU tensors); "
+        "drop it (each rank then normalises with its own micro-batch) or run on GPUs"
+    )
 
 
 def check_preset(s: TrainSettings) -> None:
@@ -380,6 +441,9 @@ __all__ = [
     "STEP_ENGINE_KEYS",
     "check_preset",
     "coalesce_fallback",
+    "optimizer_block",
+    "optimizer_blocker",
+    "bn_sync_blocker",
     "list_presets",
     "load_preset",
     "preset_label",

@@ -10,8 +10,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ds_clip.config import TrainSettings
-from ds_clip.ds_config import coalesce_fallback, resolve_ds_config
+from ds_clip.config import SettingsError, TrainSettings
+from ds_clip.ds_config import bn_sync_blocker, coalesce_fallback, optimizer_blocker, resolve_ds_config
 from ds_clip.loss import ContrastiveLoss, LossSpec, resolve_impl
 from ds_clip.model import ModelBundle, build_model, prepare_for_deepspeed
 from ds_clip.optim import format_groups, param_groups_for
@@ -50,7 +50,11 @@ def build_model_bundle(s: TrainSettings) -> ModelBundle:
             image_mean=None if m.image_mean is None else tuple(m.image_mean),
             image_std=None if m.image_std is None else tuple(m.image_std),
             image_interpolation=m.image_interpolation,
+            image_resize_mode=m.image_resize_mode,
             aug_cfg=aug_cfg_dict(m.aug_cfg) if m.aug_cfg else None,
+            force_quick_gelu=m.force_quick_gelu,
+            force_custom_text=m.force_custom_text,
+            force_context_length=m.force_context_length,
         ),
         locks=TowerLocks(
             image=m.lock_image,
@@ -61,6 +65,12 @@ def build_model_bundle(s: TrainSettings) -> ModelBundle:
             text_freeze_layer_norm=m.lock_text_freeze_layer_norm,
         ),
     )
+    if m.use_bn_sync:
+        # As open_clip_train does, after locking (a frozen BatchNorm is no longer a _BatchNorm): the cached step
+        # freezes SyncBatchNorm's running statistics in its no-grad pass as it does BatchNorm's (a subclass).
+        import torch
+
+        bundle.model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(bundle.model)
     prepare_for_deepspeed(bundle.model)
     return bundle
 
@@ -78,8 +88,13 @@ def build_engine(
     collective). ``total_steps`` is the length of the LR schedule in optimizer steps; ``steps_per_epoch``
     converts --epochs-cooldown (default: total_steps // --epochs, exact without --max-steps)."""
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
     ds_json = resolve_ds_config(s, world_size)
+    accelerator = get_accelerator().device_name()
+    for why_not in (optimizer_blocker(s, accelerator), bn_sync_blocker(s, accelerator)):
+        if why_not is not None:  # before DeepSpeed fails inside its op builder, or torch in the first forward
+            raise SettingsError(why_not)
     o, loss = s.optim, s.loss
     # Per-tower groups, each with its own "lr"/"weight_decay"; the schedule scales each from its own peak.
     groups, group_table = param_groups_for(bundle.model, o)
@@ -89,7 +104,11 @@ def build_engine(
         if why is not None:
             logger.info("--coalesce-grad-reduction auto: off here, %s", why)
         table = format_groups(group_table)
-        logger.info("optimizer parameter groups (peak lr; %s schedule):\n%s", o.lr_scheduler, table)
+        schedule_name = "no" if o.skip_scheduler else o.lr_scheduler
+        logger.info(
+            "optimizer parameter groups (--opt %s: DeepSpeed %s; peak lr; %s schedule):\n%s",
+            o.optimizer, ds_json["optimizer"]["type"], schedule_name, table,
+        )  # fmt: skip
     engine, *_ = deepspeed.initialize(
         model=bundle.model,
         model_parameters=groups,

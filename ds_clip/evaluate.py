@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import logging
 import os
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ds_clip.checkpoint import epochs_done_at, on_cadence
 from ds_clip.config import (
     DataSettings,
     EvalSectionSettings,
@@ -48,8 +50,9 @@ from ds_clip.config import (
     add_flags,
     check_data,
     check_eval,
+    imagenet_class_folders,
 )
-from ds_clip.distributed import all_gather_rows, all_reduce_max
+from ds_clip.distributed import all_gather_rows, all_reduce_max, all_reduce_sum, to_device
 from ds_clip.errors import UserError
 
 logger = logging.getLogger("ds_clip")
@@ -436,19 +439,135 @@ def zeroshot_classifier(
     *,
     device,
     image: torch.Tensor | None = None,
+    classes_per_batch: int = 1,
+    tokens: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """[C, d] class embeddings: mean of the normalised template embeddings, normalised (open_clip's recipe).
 
-    Every rank computes all classes (same forward count on every rank). A dummy image rides along
-    with each text batch: the engine's top-level forward is the path ZeRO-3 gathers parameters on.
+    Every rank computes all classes (same forward count on every rank), ``classes_per_batch`` classes' prompts
+    per forward. One dummy image rides along with each text batch: the engine's top-level forward is the path
+    ZeRO-3 gathers parameters on. ``tokens``: the prompts' token batches, already made (they depend on the
+    tokenizer only, not on the weights).
     """
     rows = []
-    for c in classnames:
-        tokens = torch.as_tensor(tokenizer([t(c) for t in templates])).to(device)
-        img = image[:1].expand(tokens.shape[0], *image.shape[1:]).to(device) if image is not None else None
-        emb = F.normalize(forward(image=img, text=tokens)["text_features"].float(), dim=-1).mean(0)
+    img = image[:1].to(device) if image is not None else None
+    for start in range(0, len(classnames), classes_per_batch):
+        group = classnames[start : start + classes_per_batch]
+        batch = (
+            tokens[start // classes_per_batch]
+            if tokens is not None
+            else torch.as_tensor(tokenizer([t(c) for c in group for t in templates]))
+        )
+        feats = F.normalize(forward(image=img, text=batch.to(device))["text_features"].float(), dim=-1)
+        emb = feats.view(len(group), len(templates), -1).mean(1)
         rows.append(F.normalize(emb, dim=-1))
-    return torch.stack(rows)
+    return torch.cat(rows)
+
+
+# ------------------------------------------------------------------------------ ImageNet (open_clip's)
+
+# --imagenet-val / --imagenet-v2 -> the metric names open_clip_train logs (imagenet-zeroshot-val-top1 ...).
+IMAGENET_METRICS = {"--imagenet-val": "imagenet-zeroshot-val", "--imagenet-v2": "imagenetv2-zeroshot-val"}
+_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+# Classes whose 80 prompts share one text forward (open_clip's build_zero_shot_classifier batches 10).
+_CLASSES_PER_BATCH = 10
+
+
+@functools.lru_cache(maxsize=2)
+def _imagenet_prompt_tokens(tokenizer) -> list[torch.Tensor]:
+    """The 80,000 prompts of open_clip's ImageNet classifier, tokenized once per run (seconds of CPU each
+    time otherwise), in batches of _CLASSES_PER_BATCH classes."""
+    import open_clip
+
+    names, templates = list(open_clip.IMAGENET_CLASSNAMES), list(open_clip.OPENAI_IMAGENET_TEMPLATES)
+    return [
+        torch.as_tensor(tokenizer([t(c) for c in names[i : i + _CLASSES_PER_BATCH] for t in templates]))
+        for i in range(0, len(names), _CLASSES_PER_BATCH)
+    ]
+
+
+class _ClassImages(torch.utils.data.Dataset):
+    def __init__(self, samples: list[tuple[str, int]], preprocess) -> None:
+        self.samples, self.preprocess = samples, preprocess
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        from PIL import Image
+
+        path, label = self.samples[i]
+        with Image.open(path) as im:
+            return self.preprocess(im.convert("RGB")), label
+
+
+def imagenet_samples(folder: str, flag: str) -> list[tuple[str, int]]:
+    """(image path, class index into open_clip's IMAGENET_CLASSNAMES) of every image, in a fixed order."""
+    labels = imagenet_class_folders(folder, flag)
+    root = Path(folder).expanduser()
+    return [
+        (str(p), labels[name])
+        for name in sorted(labels)
+        for p in sorted((root / name).iterdir())
+        if p.suffix.lower() in _IMAGE_SUFFIXES
+    ]
+
+
+@torch.no_grad()
+def imagenet_zeroshot(
+    forward: Forward,
+    folders: dict[str, str],
+    *,
+    preprocess,
+    tokenizer,
+    batch_size: int,
+    device,
+    workers: int = 0,
+) -> dict[str, float]:
+    """open_clip_train's ImageNet zero-shot: the classifier from open_clip's 1000 IMAGENET_CLASSNAMES and its
+    OPENAI_IMAGENET_TEMPLATES, top-1/top-5 of every image of each folder (``{flag: DIR}``). Every rank
+    classifies images i with i % world == rank and the counts are summed; every rank calls this (a collective)
+    and returns the same metrics."""
+    import open_clip
+    from PIL import Image
+
+    rank, world = _world()
+    dummy = preprocess(Image.new("RGB", (32, 32))).unsqueeze(0).to(device)
+    classifier = zeroshot_classifier(
+        forward, tokenizer, list(open_clip.IMAGENET_CLASSNAMES), list(open_clip.OPENAI_IMAGENET_TEMPLATES),
+        device=device, image=dummy, classes_per_batch=_CLASSES_PER_BATCH, tokens=_imagenet_prompt_tokens(tokenizer),
+    )  # fmt: skip
+    dummy_text = torch.as_tensor(tokenizer(["a photo"])).to(device)
+    out: dict[str, float] = {}
+    for flag, folder in folders.items():
+        samples = imagenet_samples(folder, flag)
+        mine = samples[rank::world]
+        loader = torch.utils.data.DataLoader(
+            _ClassImages(mine, preprocess), batch_size=batch_size, num_workers=workers
+        )
+        # ZeRO-3 gathers parameters inside forward: every rank runs the largest rank's number of forwards.
+        n_forward = -(-len(samples[0::world]) // batch_size)
+        counts = torch.zeros(3, dtype=torch.float64)  # top-1 hits, top-5 hits, images
+        batches = iter(loader)
+        for _ in range(n_forward):
+            batch = next(batches, None)
+            image = batch[0] if batch is not None else dummy
+            feats = forward(image=image.to(device), text=dummy_text)["image_features"].float()
+            if batch is None:
+                continue
+            logits = F.normalize(feats, dim=-1) @ classifier.T
+            y = batch[1].to(logits.device)
+            top5 = logits.topk(5, dim=1).indices
+            counts += torch.tensor(
+                [float((top5[:, 0] == y).sum()), float((top5 == y.unsqueeze(1)).any(1).sum()), float(len(y))],
+                dtype=torch.float64,
+            )
+        total = all_reduce_sum(to_device(counts)).cpu()
+        name = IMAGENET_METRICS[flag]
+        out[f"{name}-top1"] = float(total[0] / max(total[2], 1))
+        out[f"{name}-top5"] = float(total[1] / max(total[2], 1))
+        out[f"{name}-samples"] = float(total[2])
+    return out
 
 
 def engine_forward(engine) -> Forward:
@@ -494,6 +613,9 @@ def format_line(step: int, m: dict[str, float]) -> str:
             parts.append(f"{d} medR {m[f'{d}_median_rank']:.0f}")
     if "zeroshot_top1" in m:
         parts.append(f"zeroshot top1 {m['zeroshot_top1']:.3f}")
+    for name in IMAGENET_METRICS.values():
+        if f"{name}-top1" in m:
+            parts.append(f"{name} top1/top5 {m[f'{name}-top1']:.3f}/{m[f'{name}-top5']:.3f}")
     return " | ".join(parts)
 
 
@@ -506,12 +628,18 @@ def report(run_dir: Path, step: int, metrics: dict[str, float], tb_writer=None) 
             tb_writer.add_scalar(f"val/{k}", v, step)
         tb_writer.flush()
     csv_path = run_dir / "val_metrics.csv"
-    new = not csv_path.exists()
-    with csv_path.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(row))
-        if new:
+    rows = list(csv.DictReader(csv_path.open(newline=""))) if csv_path.exists() else []
+    fields = list(rows[0]) if rows else []
+    if [k for k in row if k not in fields]:
+        # Evaluations on different cadences (--val-frequency, --zeroshot-frequency) log different metrics: a
+        # new one widens the table (rewritten; earlier rows get empty cells) so every row stays readable.
+        fields += [k for k in row if k not in fields]
+        with csv_path.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields)
             w.writeheader()
-        w.writerow(row)
+            w.writerows(rows)
+    with csv_path.open("a", newline="") as f:
+        csv.DictWriter(f, fieldnames=fields).writerow(row)
     json_path = run_dir / "eval_results.json"
     history = json.loads(json_path.read_text()) if json_path.exists() else []
     history = [h for h in history if h.get("step") != step] + [row]
@@ -612,8 +740,11 @@ __all__ = [
 
 
 class Evaluator:
-    """When the trainer evaluates: owns ``--val-every-n-steps`` and the final evaluation. Every rank holds
-    one and calls every method (each rank embeds its slice: a collective); rank 0 reports."""
+    """When the trainer evaluates, and what: owns ``--val-every-n-steps`` and ``--val-frequency`` (epochs) for
+    the --val-data evaluation, ``--zeroshot-frequency`` (epochs) for the zero-shot ones (--imagenet-val,
+    --imagenet-v2, and --zeroshot-classes, which is computed with --val-data: its cadence runs that too), and
+    the final evaluation of everything. Every rank holds one and calls every method (each rank embeds its
+    slice: a collective); rank 0 reports all metrics of a step in one row."""
 
     def __init__(
         self,
@@ -625,21 +756,48 @@ class Evaluator:
         run_dir: Path,
         every_n_steps: int | None,
         is_main: bool,
+        val_every_n_epochs: int | None = None,
+        zeroshot_every_n_epochs: int | None = None,
+        steps_per_epoch: int | None = None,
+        imagenet: dict[str, str] | None = None,
+        batch_size: int = EVAL_BATCH_SIZE,
     ) -> None:
         self.engine, self.settings = engine, settings
         self.preprocess, self.tokenizer = preprocess, tokenizer
         self.run_dir, self.every_n_steps, self.is_main = Path(run_dir), every_n_steps, is_main
+        self.val_every_n_epochs, self.zeroshot_every_n_epochs = val_every_n_epochs, zeroshot_every_n_epochs
+        self.steps_per_epoch, self.imagenet, self.batch_size = steps_per_epoch, imagenet or {}, batch_size
 
-    def run(self, step: int, tb_writer=None) -> None:
-        if self.settings is None:
-            return
-        metrics = run_on_engine(
-            self.engine, self.settings, preprocess=self.preprocess, tokenizer=self.tokenizer
-        )
-        if self.is_main:
+    def run(self, step: int, tb_writer=None, *, val: bool = True, zeroshot: bool = True) -> None:
+        metrics: dict[str, float] = {}
+        if self.settings is not None and (val or (zeroshot and self.settings.zeroshot_classes)):
+            metrics.update(
+                run_on_engine(
+                    self.engine, self.settings, preprocess=self.preprocess, tokenizer=self.tokenizer
+                )
+            )
+        if self.imagenet and zeroshot:
+            was_training = self.engine.module.training
+            self.engine.eval()
+            try:
+                metrics.update(
+                    imagenet_zeroshot(
+                        engine_forward(self.engine), self.imagenet, preprocess=self.preprocess,
+                        tokenizer=self.tokenizer, batch_size=self.batch_size, device=self.engine.device,
+                    )
+                )  # fmt: skip
+            finally:
+                if was_training:
+                    self.engine.train()
+        if metrics and self.is_main:
             report(self.run_dir, step, metrics, tb_writer)
 
     def maybe_run(self, step: int, total_steps: int, tb_writer=None) -> None:
-        """Evaluate on the cadence; the last step is evaluated by ``run`` at the end of the run, once."""
-        if self.every_n_steps and step % self.every_n_steps == 0 and step < total_steps:
-            self.run(step, tb_writer)
+        """Evaluate what is on its cadence; the last step is evaluated by ``run`` at the end of the run, once."""
+        if step >= total_steps:
+            return
+        epochs = epochs_done_at(step, self.steps_per_epoch)
+        val = on_cadence(step, self.every_n_steps, epochs, self.val_every_n_epochs)
+        zeroshot = on_cadence(step, None, epochs, self.zeroshot_every_n_epochs)
+        if val or zeroshot:
+            self.run(step, tb_writer, val=val, zeroshot=zeroshot)

@@ -67,7 +67,10 @@ class MetricsWriter:
                 import wandb
             except ImportError as exc:
                 raise RuntimeError("--report-to wandb needs the wandb package: pip install wandb") from exc
-            self.wandb = wandb.init(project="ds_clip", name=run_dir.name, config=config, dir=str(run_dir))
+            self.wandb = wandb.init(
+                project=config.get("wandb_project_name", "ds_clip"), name=run_dir.name, config=config,
+                dir=str(run_dir), notes=config.get("wandb_notes") or None,
+            )  # fmt: skip
         self.bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm

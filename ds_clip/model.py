@@ -89,7 +89,11 @@ class ImageOptions:
     image_mean: tuple[float, ...] | None = None
     image_std: tuple[float, ...] | None = None
     image_interpolation: str | None = None
+    image_resize_mode: str | None = None
     aug_cfg: dict[str, Any] | None = None
+    force_quick_gelu: bool = False
+    force_custom_text: bool = False
+    force_context_length: int | None = None
 
 
 def build_model(
@@ -116,7 +120,10 @@ def build_model(
         # (a local-dir: model loads the weights in its own folder; config refuses --pretrained with it)
         kwargs["pretrained"] = pretrained
     if image is not None:
-        kwargs.update({k: v for k, v in dataclasses.asdict(image).items() if v is not None})
+        # None / False: open_clip's own default (a patch dropout of 0.0 is a value, so no truthiness test)
+        kwargs.update(
+            {k: v for k, v in dataclasses.asdict(image).items() if v is not None and v is not False}
+        )
     import pickle
 
     try:
@@ -127,8 +134,17 @@ def build_model(
         lock_towers(model, locks)
     if grad_checkpointing:
         model.set_grad_checkpointing(True)
-    tokenizer = open_clip.get_tokenizer(name)
+    context_length = image.force_context_length if image is not None else None
+    tokenizer = open_clip.get_tokenizer(name, context_length=context_length)
     model_cfg = load_model_cfg(name)
+    if image is not None:
+        # What open_clip built on top of the config (exports record it, so the exported folder rebuilds it).
+        if image.force_quick_gelu:
+            model_cfg = {**model_cfg, "quick_gelu": True}
+        if image.force_custom_text:
+            model_cfg = {**model_cfg, "custom_text": True}
+        if context_length is not None:
+            model_cfg = {**model_cfg, "text_cfg": {**model_cfg["text_cfg"], "context_length": context_length}}
     if image is not None and (image.force_image_size is not None or image.force_patch_dropout is not None):
         # What the model was built with (the trainer renders synthetic data at this size; checkpoints and
         # exports record it, so the exported folder rebuilds this model).

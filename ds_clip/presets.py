@@ -30,6 +30,45 @@ class SettingsError(UserError):
     """
 
 
+# What the engine runs (the presets' precision sections), and open_clip_train's --precision names mapped onto
+# it. open_clip's amp* autocast the forward over fp32 weights; its bf16/fp16/pure_* hold the weights in low
+# precision with no fp32 copy. DeepSpeed's bf16/fp16 hold low-precision working weights and an fp32 master copy
+# in the optimizer (fp16 with dynamic loss scaling, where open_clip's amp has its GradScaler): each open_clip
+# name maps onto the DeepSpeed precision of its dtype.
+DEEPSPEED_PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISION_MAP: dict[str, str] = {
+    "fp32": "fp32",
+    "amp": "fp16",
+    "fp16": "fp16",
+    "pure_fp16": "fp16",
+    "amp_bf16": "bf16",
+    "amp_bfloat16": "bf16",
+    "bf16": "bf16",
+    "pure_bf16": "bf16",
+}
+PRECISION_NAMES = tuple(PRECISION_MAP)
+
+
+# --opt: the optimizers DeepSpeed builds from the "optimizer" block of its JSON (so ZeRO partitions them and
+# offload runs them on the CPU), by ds_clip name -> DeepSpeed's "type" (SGD: DeepSpeed's torch.optim fallback).
+OPTIMIZERS: dict[str, str] = {"adamw": "AdamW", "lamb": "Lamb", "lion": "Lion", "sgd": "SGD"}
+
+
+def deepspeed_precision(name: str) -> str:
+    """--precision as given (ds_clip's or open_clip's name) -> the DeepSpeed precision it runs."""
+    if name not in PRECISION_MAP:
+        raise SettingsError(f"--precision must be one of {', '.join(PRECISION_NAMES)}, got {name!r}")
+    return PRECISION_MAP[name]
+
+
+def precision_mapping_text() -> str:
+    """One line: every --precision name and the DeepSpeed precision it runs (logged once per run)."""
+    by_target: dict[str, list[str]] = {}
+    for name, target in PRECISION_MAP.items():
+        by_target.setdefault(target, []).append(name)
+    return "; ".join(f"{', '.join(names)} -> DeepSpeed {t}" for t, names in by_target.items())
+
+
 def list_presets() -> list[str]:
     """Names of the presets shipped in ds_configs/ (file names without .json), sorted."""
     return sorted(p.name[: -len(".json")] for p in PRESET_DIR.iterdir() if p.name.endswith(".json"))

@@ -87,6 +87,8 @@ def schedule_for(o: OptimSettings, *, total_steps: int, steps_per_epoch: int | N
     """The schedule the flags ask for, over ``total_steps`` optimizer steps. --epochs-cooldown is converted
     with ``steps_per_epoch`` (open_clip: batches per epoch // accum-freq); without it, the run's epochs
     define it (total_steps // --epochs), which holds whenever --max-steps is not set."""
+    if o.skip_scheduler:  # open_clip without a scheduler: the peak from the first step, no warmup
+        return Schedule("const", warmup=0, total=total_steps)
     cooldown = 0
     if o.lr_scheduler == "const-cooldown":
         if steps_per_epoch is None:

@@ -5,13 +5,16 @@ torchrun --nproc_per_node 2 -m ds_clip.train --accum-freq 4
 mpirun -np 2 --bind-to none python -m ds_clip.train --accum-freq 4
 srun python -m ds_clip.train ...          (see scripts/launch_slurm.sbatch)
 ds-clip-train --max-steps 10              (one process, no launcher)
+ds-clip-train --dry-run ...               (check the flags, print the settings and the DeepSpeed JSON, exit)
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 
-from ds_clip.config import parse_settings
+from ds_clip.config import TrainSettings, parse_settings, settings_to_dict
 from ds_clip.errors import RunError, UserError
 
 
@@ -21,6 +24,13 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"ds-clip-train: error: {exc}", file=sys.stderr)
         return 2
+    if settings.dist.dry_run:
+        try:
+            dry_run(settings)
+        except UserError as exc:
+            print(f"ds-clip-train: error: {exc}", file=sys.stderr)
+            return 2
+        return 0
     # Heavy imports (torch, deepspeed, open_clip) only after the settings are known to be good.
     import torch.distributed as dist
 
@@ -43,6 +53,30 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     return 0
+
+
+def dry_run(s: TrainSettings) -> None:
+    """--dry-run: what can be checked without starting is checked (the flags, the preset, the resolved JSON
+    for this launch's world size, whether DeepSpeed builds --opt on this machine's accelerator); the settings
+    and the JSON are printed as the run folder would get them. No process group, no model, no files."""
+    from deepspeed.accelerator import get_accelerator  # (deepspeed's import, not a process group)
+
+    from ds_clip.ds_config import bn_sync_blocker, optimizer_blocker, resolve_ds_config
+    from ds_clip.errors import UserError as _UserError
+    from ds_clip.presets import precision_mapping_text
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    ds_json = resolve_ds_config(s, world_size)
+    accelerator = get_accelerator().device_name()
+    for why_not in (optimizer_blocker(s, accelerator), bn_sync_blocker(s, accelerator)):
+        if why_not is not None:
+            raise _UserError(why_not)
+    print(f"# settings ({s.logging.logs}/{s.logging.name}/settings.json)")
+    print(json.dumps(settings_to_dict(s), indent=2))
+    print(f"# --precision: DeepSpeed {s.dist.precision} ({precision_mapping_text()})")
+    print(f"# DeepSpeed JSON for world size {world_size} on the {accelerator} accelerator (ds_config.json)")
+    print(json.dumps(ds_json, indent=2))
+    print("# dry run: the flags are good; nothing was started", flush=True)
 
 
 def _looks_like_lost_peer(message: str) -> bool:

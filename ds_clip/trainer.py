@@ -29,6 +29,7 @@ from ds_clip.evaluate import Evaluator
 from ds_clip.metrics import MetricsWriter, StepMeter
 from ds_clip.model import check_tokenizer_fits
 from ds_clip.preemption import StopRequest
+from ds_clip.presets import precision_mapping_text
 from ds_clip.step import StepResult, cached_step, micro_batch_seed
 
 logger = logging.getLogger("ds_clip")
@@ -108,7 +109,12 @@ class Trainer:
         logging.basicConfig(
             level=logging.WARNING, format=f"[rank{info.rank}] %(levelname)s %(name)s: %(message)s"
         )
-        logging.getLogger("ds_clip").setLevel(logging.INFO if info.is_main else logging.WARNING)
+        # Rank 0 logs; --log-local: every node's local rank 0 too (open_clip's local masters); --debug: DEBUG.
+        logs_here = info.is_main or (s.logging.log_local and info.local_rank == 0)
+        level = logging.DEBUG if s.logging.debug else logging.INFO
+        logging.getLogger("ds_clip").setLevel(level if logs_here else logging.WARNING)
+        if info.is_main:
+            logger.info("--precision: DeepSpeed %s here (%s)", s.dist.precision, precision_mapping_text())
 
         self.bundle = bundle = build_model_bundle(s)
         check_tokenizer_fits(bundle.model, bundle.tokenizer, s.model.model)  # the data is tokenized by it
@@ -160,8 +166,11 @@ class Trainer:
                 "preprocess_cfg": open_clip.get_model_preprocess_cfg(bundle.model),
             },
             every_n_steps=ck.save_every_n_steps,
-            keep=ck.keep_checkpoints,
+            keep=1 if ck.delete_previous_checkpoint else ck.keep_checkpoints,
             global_batch=self.global_batch,
+            every_n_epochs=ck.save_frequency,
+            most_recent=ck.save_most_recent,
+            steps_per_epoch=self.data.steps_per_epoch,
         )
         self.evaluator = Evaluator(
             self.engine,
@@ -171,6 +180,18 @@ class Trainer:
             run_dir=run_dir,
             every_n_steps=s.eval.val_every_n_steps,
             is_main=info.is_main,
+            val_every_n_epochs=s.eval.val_frequency,
+            zeroshot_every_n_epochs=s.eval.zeroshot_frequency,
+            steps_per_epoch=self.data.steps_per_epoch,
+            imagenet={
+                flag: folder
+                for flag, folder in (
+                    ("--imagenet-val", s.eval.imagenet_val),
+                    ("--imagenet-v2", s.eval.imagenet_v2),
+                )
+                if folder is not None
+            },
+            batch_size=o.batch_size,
         )
         self.start_step = (
             self.checkpointer.resume(ck.resume, shapes=shapes, is_main=info.is_main) if ck.resume else 0

@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ds_clip.config import TrainSettings, flags
+from ds_clip.config import ANSWERED, TrainSettings, flags
 from ds_clip.presets import list_presets
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
@@ -65,8 +65,8 @@ A key that merely repeats the flag's value is fine. In particular:
 | `bf16.enabled`, `fp16.enabled` (`bfloat16` too) | `--precision` | fp16 gets `loss_scale: 0` (dynamic) unless the preset sets it |
 | `torch_autocast.enabled: true` | refused | precision comes from `--precision` |
 | `gradient_clipping` | `--grad-clip-norm` (0 when absent) | |
-| `optimizer.type` | AdamW | |
-| `optimizer.params.lr / betas / eps / weight_decay` | `--lr`, `--beta1/--beta2`, `--eps`, `--wd` | `torch_adam`, `foreach`, `fp32_optimizer_states` may be set (kernel choice) |
+| `optimizer.type` | `--opt` (`AdamW`, `Lamb`, `Lion`, `SGD`) | |
+| `optimizer.params.lr / betas / eps / weight_decay / momentum` | `--lr`, `--beta1/--beta2`, `--eps`, `--wd`, `--momentum` | each optimizer gets the ones its class takes; with AdamW `torch_adam`, `foreach`, `fp32_optimizer_states` may be set (kernel choice) |
 | `scheduler` | refused | ds_clip runs its own cosine schedule with linear warmup (`--lr`, `--warmup`) |
 | `elasticity` | refused | it changes batch sizes |
 | `gradient_allreduce_op`, `managed_gradient_accumulation` | the accumulation step's values | the step relies on them |
@@ -77,7 +77,10 @@ there, upstream PR #8393 open): use bf16 or `--zero-stage 1`-`3`.
 ds_clip also sets `zero_allow_untested_optimizer: true` (torch AdamW under ZeRO), and, unless the
 preset sets them, `steps_per_print` huge and `wall_clock_breakdown: false` (ds_clip logs itself).
 The optimizer is `torch.optim.AdamW` (`torch_adam: true`), except when the preset offloads the
-optimizer (`offload_optimizer.device` cpu or nvme): DeepSpeed's CPU Adam then runs it.
+optimizer (`offload_optimizer.device` cpu or nvme): DeepSpeed's CPU Adam then runs it. `--opt` picks
+another one DeepSpeed builds from the JSON (DeepSpeed 0.19.8, measured): `lamb` is FusedLamb (CUDA only;
+refused with offload and on a CPU-only machine), `lion` is FusedLion on CUDA and DeepSpeed's CPU Lion under
+offload (refused on a CPU-only machine without offload), `sgd` is `torch.optim.SGD` anywhere.
 
 All of this is checked at parse time, in one pass (`ds_clip.config.validate`), before any process group
 starts (the world size, for `train_batch_size`, only when the engine starts).
@@ -104,6 +107,18 @@ Shipped: {presets}.
 Steps are optimizer steps (k micro-batches each); pairs are image-text samples. "open_clip" says how the
 flag relates to open_clip_train's flag of the same name: *same* (name, meaning and default), *differs*
 (how), or *ds_clip only*.
+"""
+
+OPEN_CLIP_INTRO = """\
+## open_clip_train's flags
+
+Every option of open_clip_train 3.3.0's parser (`open_clip_train/params.py`, read from the installed package
+when this file is generated), next to ds_clip's: *same* (accepted, same meaning and default), *differs* (accepted
+with open_clip's meaning; what differs), or *answered* (ds-clip-train exits 2 with one line naming the flag,
+saying why ds_clip has no such thing and what to use instead). tests/test_open_clip_flags.py walks that
+parser, every option and every `choices` value. `ds-clip-train --dry-run ...` checks a whole command line
+without starting anything.
+
 """
 
 EPILOGUE = """\
@@ -144,11 +159,62 @@ def flag_tables() -> str:
     return "\n".join(out)
 
 
+def open_clip_train_parser() -> argparse.ArgumentParser:
+    """The ArgumentParser that open_clip_train.params.parse_args builds, taken as it starts to parse (its
+    flags are not listed anywhere else). Needs open_clip_train (open_clip_torch) and pandas."""
+    from unittest import mock
+
+    from open_clip_train import params
+
+    class Captured(Exception):
+        pass
+
+    grabbed: list[argparse.ArgumentParser] = []
+
+    def grab(self, *args, **kwargs):
+        grabbed.append(self)
+        raise Captured
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", grab):
+        try:
+            params.parse_args([])
+        except Captured:
+            pass
+    return grabbed[0]
+
+
+def open_clip_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Its options, in its order (help aside)."""
+    return [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+def open_clip_table() -> str:
+    ours = {o: f for f in flags() for o in f.options}
+    rows = ["| open_clip flag | open_clip default | ds_clip | how |", "|---|---|---|---|"]
+    for a in open_clip_options(open_clip_train_parser()):
+        option = a.option_strings[0]
+        default = (
+            "off" if a.nargs == 0 else ("none" if a.default in (None, "", {}) else repr(a.default).strip("'"))
+        )
+        if a.choices:
+            default += " (" + ", ".join(str(c) for c in a.choices) + ")"
+        if option in ours:
+            f = ours[option]
+            how = f.meta["open_clip"]
+            mine = _code(f.option) + f", default {_cell(f.shown_default())}"
+        elif option in ANSWERED:
+            mine, how = "answered (exit 2)", ANSWERED[option][1]
+        else:
+            mine, how = "not in ds_clip", "unrecognized"
+        rows.append(f"| {_code(option)} | {_cell(default)} | {mine} | {_cell(how)} |")
+    return "\n".join(rows) + "\n\n"
+
+
 def render() -> str:
     sections = ", ".join(f"`{s}`" for s in TrainSettings.section_types())
     presets = ", ".join(f"`{p}`" for p in list_presets())
     preamble = PREAMBLE.format(command=COMMAND, sections=sections, presets=presets)
-    return preamble + "\n" + flag_tables() + EPILOGUE
+    return preamble + "\n" + flag_tables() + OPEN_CLIP_INTRO + open_clip_table() + EPILOGUE
 
 
 def main(argv: list[str] | None = None) -> int:
