@@ -110,7 +110,10 @@ def test_deepspeed_launcher_trains_coca_decoder(coca_dir, tmp_path):
         "--model", coca_dir, "--batch-size", str(M), "--accum-freq", str(k), "--max-steps", str(steps),
         "--log-every-n-steps", "1", "--logs", str(tmp_path), "--name", "coca", "--workers", "1", "--warmup", "1",
     ]  # fmt: skip
-    proc = _run(["deepspeed", "--num_gpus", "2", "--module", "ds_clip.train", *args])
+    from ds_clip.distributed import _free_port
+
+    port = str(_free_port())  # not the launcher's default 29500, which another job on the machine may hold
+    proc = _run(["deepspeed", "--num_gpus", "2", "--master_port", port, "--module", "ds_clip.train", *args])
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     seen = [int(x) for x in re.findall(r"^step \d+/\d+ \| epoch \d+ \| samples (\d+)", proc.stdout, re.M)]
