@@ -459,6 +459,32 @@ def oracle_first_step(spec: RunSpec, world_size: int) -> tuple[dict[str, torch.T
 
 # ------------------------------------------------------------------------------ tiny models (no download)
 
+
+def coca_config(vision: dict, text: dict) -> dict:
+    """open_clip's CoCa around a ViT and a text tower config: an attentional-pool image tower with output
+    tokens, a text tower with a CLS token, and a one-block captioning decoder over the text tower's vocabulary
+    (open_clip's CoCa needs embed_dim = text width = decoder width)."""
+    return {
+        "embed_dim": text["width"],
+        "custom_text": True,
+        "vision_cfg": {
+            **vision,
+            "attentional_pool": True,
+            "attn_pooler_heads": 2,
+            "attn_pooler_queries": 4,
+            "output_tokens": True,
+        },
+        "text_cfg": {**text, "embed_cls": True, "output_tokens": True},
+        "multimodal_cfg": {
+            "context_length": text["context_length"],
+            "vocab_size": text["vocab_size"],
+            "width": text["width"],
+            "heads": text["heads"],
+            "layers": 1,
+        },
+    }
+
+
 # For runs of the real CLI: the built-in captions go through open_clip's SimpleTokenizer, so the text
 # tower needs its full vocabulary.
 E2E_MODEL = {
@@ -468,19 +494,7 @@ E2E_MODEL = {
 }
 
 # The tiny CoCa of the trainer and launcher runs (the tokenizer's full vocabulary, as E2E_MODEL).
-COCA_E2E_MODEL = {
-    "embed_dim": 32,  # open_clip's CoCa: embed_dim = text width = decoder width
-    "custom_text": True,
-    "vision_cfg": {
-        **E2E_MODEL["vision_cfg"],
-        "attentional_pool": True,
-        "attn_pooler_heads": 2,
-        "attn_pooler_queries": 4,
-        "output_tokens": True,
-    },
-    "text_cfg": {**E2E_MODEL["text_cfg"], "embed_cls": True, "output_tokens": True},
-    "multimodal_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
-}
+COCA_E2E_MODEL = coca_config(E2E_MODEL["vision_cfg"], E2E_MODEL["text_cfg"])
 
 TEXT = {"context_length": 8, "vocab_size": 64, "width": 32, "heads": 2, "layers": 1}
 
@@ -493,26 +507,7 @@ VIT_VISION = {
     "patch_dropout": 0.25,
 }
 
-COCA = {
-    "embed_dim": 32,  # open_clip's CoCa: embed_dim = text width = decoder width
-    "custom_text": True,
-    "vision_cfg": {
-        **VIT_VISION,
-        "attentional_pool": True,
-        "attn_pooler_heads": 2,
-        "attn_pooler_queries": 4,
-        "output_tokens": True,
-    },
-    "text_cfg": {**TEXT, "embed_cls": True, "output_tokens": True},
-    "multimodal_cfg": {
-        "context_length": TEXT["context_length"],
-        "vocab_size": TEXT["vocab_size"],
-        "width": 32,
-        "heads": 2,
-        "layers": 1,
-        "attn_pooler_heads": 2,
-    },
-}
+COCA = coca_config(VIT_VISION, TEXT)
 
 CONFIGS: dict[str, dict] = {
     # native open_clip ViT with FLIP-style patch dropout (draws from the CPU generator)
