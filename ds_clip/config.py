@@ -367,6 +367,15 @@ class LossSettings:
     from a global batch of 8192 pairs on, where it is also the faster one (docs/loss.md), dense below."""
     loss_tile_size: int = opt(4096, metavar="PAIRS", unit="pairs", open_clip="ds_clip only")
     """Rows and columns of one block of the logit matrix in the tiled loss: memory grows as tile x N."""
+    coca_contrastive_loss_weight: float = opt(1.0, metavar="W")
+    """CoCa models: weight of the contrastive (CLIP) loss over all N pairs."""
+    coca_caption_loss_weight: float = opt(
+        2.0,
+        metavar="W",
+        open_clip="differs: there the caption mean is over each rank's tokens, here over the global batch's",
+    )
+    """CoCa models: weight of the captioning cross-entropy, a mean over the non-pad tokens of the whole
+    global batch (all ranks and micro-batches), so W x k x m trains like one process holding all N captions."""
 
 
 @dataclass
@@ -1063,6 +1072,8 @@ def validate(s: TrainSettings) -> None:
     # loss
     _check_choice("loss_impl", s.loss.loss_impl)
     _check_min("loss_tile_size", s.loss.loss_tile_size, 1)
+    _check_min("coca_contrastive_loss_weight", s.loss.coca_contrastive_loss_weight, 0)
+    _check_min("coca_caption_loss_weight", s.loss.coca_caption_loss_weight, 0)
     _need(
         not s.loss.local_loss or s.loss.gather_with_grad,
         "--local-loss without --gather-with-grad does not give the full-batch gradient (each rank would "

@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from ds_clip.caption import CaptionLoss, caption_loss_for
 from ds_clip.config import SettingsError, TrainSettings
 from ds_clip.ds_config import bn_sync_blocker, coalesce_fallback, optimizer_blocker, resolve_ds_config
 from ds_clip.loss import ContrastiveLoss, LossSpec, resolve_impl
@@ -27,6 +28,8 @@ class BuiltEngine:
     loss_fn: ContrastiveLoss
     ds_config: dict[str, Any]
     """The resolved DeepSpeed JSON the engine was built from (written to the run folder)."""
+    caption_fn: CaptionLoss | None = None
+    """CoCa models: the caption term and the CoCa weights (``cached_step(..., caption=)``); else None."""
 
 
 def build_model_bundle(s: TrainSettings) -> ModelBundle:
@@ -135,4 +138,10 @@ def build_engine(
         rank=rank,
         world_size=world_size,
     )
-    return BuiltEngine(engine=engine, loss_fn=loss_fn, ds_config=ds_json)
+    caption_fn = caption_loss_for(
+        bundle.model,
+        caption_weight=loss.coca_caption_loss_weight,
+        contrastive_weight=loss.coca_contrastive_loss_weight,
+        siglip=loss.siglip,
+    )
+    return BuiltEngine(engine=engine, loss_fn=loss_fn, ds_config=ds_json, caption_fn=caption_fn)

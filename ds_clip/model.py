@@ -34,6 +34,39 @@ open_clip.add_model_config(BUILTIN_CONFIG_DIR)
 BUILTIN_MODELS = sorted(p.stem for p in BUILTIN_CONFIG_DIR.glob("*.json"))
 
 
+def _initialise_coca_decoders() -> None:
+    """open_clip 3.3's ``MultimodalTransformer`` (CoCa's text decoder) never initialises its parameters: its
+    ``init_parameters()`` is never called (and would fail: it reads ``self.transformer``, which this subclass
+    of ``Transformer`` does not have), so ``text_projection`` (width x vocabulary) is left as ``torch.empty``,
+    uninitialised memory (measured: all zeros in one process, 1e27 in another). A CoCa trained from scratch
+    would start from garbage logits that differ between runs with the same --seed. Here the decoder gets, at
+    construction, the initialisation that method means (open_clip's standard deviations, as for its text
+    tower); a checkpoint or pretrained weights loaded afterwards replace it as before."""
+    from open_clip.transformer import MultimodalTransformer
+
+    if getattr(MultimodalTransformer, "_ds_clip_initialised", False):
+        return
+    construct = MultimodalTransformer.__init__
+
+    def __init__(self, *args, **kwargs):
+        construct(self, *args, **kwargs)
+        proj_std = (self.width**-0.5) * ((2 * self.layers) ** -0.5)
+        attn_std, fc_std = self.width**-0.5, (2 * self.width) ** -0.5
+        for block in [*self.resblocks, *self.cross_attn]:
+            nn.init.normal_(block.attn.in_proj_weight, std=attn_std)
+            nn.init.normal_(block.attn.out_proj.weight, std=proj_std)
+            nn.init.normal_(block.mlp.c_fc.weight, std=fc_std)
+            nn.init.normal_(block.mlp.c_proj.weight, std=proj_std)
+        if self.text_projection is not None:
+            nn.init.normal_(self.text_projection, std=self.width**-0.5)
+
+    MultimodalTransformer.__init__ = __init__
+    MultimodalTransformer._ds_clip_initialised = True
+
+
+_initialise_coca_decoders()
+
+
 class ModelError(UserError):
     """A model name or weight file that cannot be used (names the flag)."""
 
@@ -169,9 +202,13 @@ def _tokenizer(name: str, context_length: int | None) -> Any:
 def lock_towers(model: nn.Module, locks: TowerLocks) -> None:
     """open_clip's lock_image_tower / lock_text_tower, as open_clip_train calls them; what a tower refuses
     (open_clip asserts) becomes a ModelError naming the flag."""
+    # open_clip's CoCa has no lock_*_tower methods (open_clip_train fails on it); its towers lock themselves
+    # as CustomTextCLIP's methods lock them.
+    lock_image = getattr(model, "lock_image_tower", None) or model.visual.lock
+    lock_text = getattr(model, "lock_text_tower", None) or model.text.lock
     if locks.image:
         try:
-            model.lock_image_tower(
+            lock_image(
                 unlocked_groups=locks.image_unlocked_groups, freeze_bn_stats=locks.image_freeze_bn_stats
             )
         except (AssertionError, RuntimeError) as exc:
@@ -181,7 +218,7 @@ def lock_towers(model: nn.Module, locks: TowerLocks) -> None:
             ) from None
     if locks.text:
         try:
-            model.lock_text_tower(
+            lock_text(
                 unlocked_layers=locks.text_unlocked_layers, freeze_layer_norm=locks.text_freeze_layer_norm
             )
         except AssertionError:

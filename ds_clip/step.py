@@ -24,6 +24,13 @@ Phases, for k micro-batches of m pairs on each of W ranks (N = W·k·m):
    their RNG state restored). The logit_scale / logit_bias term is added once per step, to
    micro-batch 0's surrogate. Then one ``engine.step()``.
 
+CoCa (``caption``, see ``ds_clip.caption``): the objective is w_c x the contrastive loss + w_cap x the caption
+cross-entropy over the non-pad tokens of the whole global batch. Phase 1 also computes each micro-batch's
+token-loss sum and token count (the decoder runs in that forward anyway); one 2-element all-reduce gives the
+global count, which phase 3 divides each micro-batch's own token-loss sum by (micro-batch 0: through its kept
+graph; the others: in their recompute). The contrastive part's gradients are scaled by w_c. Every output of
+the model's forward must be consumed by the objective (``check_outputs``), or the step refuses it.
+
 A fully locked tower (``--lock-image`` / ``--lock-text``: no parameter of it trainable) is embedded in phase 1
 only; phase 3 runs just the other tower, with the RNG stream it had in phase 1.
 
@@ -44,6 +51,7 @@ import torch
 from torch import nn
 
 from ds_clip import distributed
+from ds_clip.caption import CaptionLoss
 from ds_clip.errors import UserError
 from ds_clip.loss import ContrastiveLoss, LossConfigError
 from ds_clip.model import frozen_towers
@@ -52,6 +60,39 @@ from ds_clip.model import frozen_towers
 class MicroBatchSizeError(UserError):
     """Ranks (or micro-batches) of one step hold different numbers of pairs: the loss's all-gather needs
     equal shapes (gloo aborts, NCCL hangs or gathers garbage), so the step refuses before gathering."""
+
+
+class UntrainedOutputError(UserError):
+    """The model's forward returns an output that no objective of this run trains (it would be dropped
+    silently: a CoCa decoder or a SigLIP bias that never learns)."""
+
+
+# What each objective reads from the model's output dict.
+CONTRASTIVE_OUTPUTS = frozenset({"image_features", "text_features", "logit_scale"})
+SIGLIP_OUTPUTS = frozenset({"logit_bias"})
+CAPTION_OUTPUTS = frozenset({"logits", "labels"})
+
+
+def check_outputs(keys, *, siglip: bool, caption: bool) -> None:
+    """Refuse (exit 2) a forward output that this run's objective does not consume."""
+    used = CONTRASTIVE_OUTPUTS | (SIGLIP_OUTPUTS if siglip else frozenset())
+    used |= CAPTION_OUTPUTS if caption else frozenset()
+    extra = sorted(set(keys) - used)
+    if not extra:
+        return
+    objective = "SigLIP" if siglip else "CLIP"
+    hint = ""
+    if "logit_bias" in extra and not siglip:
+        hint = "; a model with a learnable logit_bias is trained with --siglip"
+    elif CAPTION_OUTPUTS & set(extra):
+        hint = (
+            "; ds_clip trains a captioning (CoCa) model's decoder together with the CLIP contrastive loss, "
+            "as open_clip's CoCaLoss does (not with --siglip)"
+        )
+    raise UntrainedOutputError(
+        f"--model: the model's forward returns {', '.join(repr(k) for k in extra)}, which the {objective} "
+        f"objective of this run does not train (ds_clip trains: {', '.join(sorted(used))}){hint}"
+    )
 
 
 @dataclass
@@ -209,6 +250,7 @@ def cached_step(
     loss_fn: ContrastiveLoss,
     *,
     micro_batch_seeds: Sequence[int] | None = None,
+    caption: CaptionLoss | None = None,
 ) -> StepResult:
     """Train one optimizer step on k = len(micro_batches) micro-batches of (images, token ids).
 
@@ -225,6 +267,9 @@ def cached_step(
     first forward, so stochastic layers draw the same numbers for the same global micro-batch
     whatever the (W, k) split; without it the running RNG stream is used (and still restored for
     the recompute).
+
+    ``caption`` (CoCa models, ``BuiltEngine.caption_fn``): the objective becomes
+    ``caption.contrastive_weight`` x the contrastive loss + the caption term of ``ds_clip.caption``.
     """
     k = len(micro_batches)
     if k < 1:
@@ -259,18 +304,25 @@ def cached_step(
     image_frozen, text_frozen = frozen_towers(engine.module)
     skipped = "image" if image_frozen else ("text" if text_frozen else None)
     recompute = not (image_frozen and text_frozen)
+    if caption is not None:
+        # CoCa's decoder reads both towers' tokens and its forward needs the image: one joint forward in
+        # both passes whatever is locked (a locked tower then runs without building a graph).
+        skipped, recompute = None, True
 
     # Phase 1: embed. Micro-batch 0 keeps its graph; the rest are cached without one.
     seed(0)
     out0 = engine(**on_device(0))
+    check_outputs(out0.keys(), siglip=loss_fn.spec.siglip, caption=caption is not None)
     images = [out0["image_features"].detach()]
     texts = [out0["text_features"].detach()]
+    # CoCa: [token-loss sum, token count] per micro-batch; micro-batch 0's sum keeps its graph.
+    captions = [caption.sum_and_count(out0)] if caption is not None else []
     rng_states: list = [None]
     with torch.no_grad(), frozen_batchnorm_stats(engine.module, skipped_tower=skipped):
         for j in range(1, k):
             seed(j)
             inputs = on_device(j)
-            if image_frozen and not text_frozen:
+            if skipped == "image" and not text_frozen:
                 image_j = engine(image=inputs["image"])["image_features"]
                 rng_states.append(_rng_state(device))
                 out = {
@@ -282,7 +334,12 @@ def cached_step(
                 out = engine(**inputs)
             images.append(out["image_features"])
             texts.append(out["text_features"])
+            if caption is not None:
+                captions.append(caption.sum_and_count(out))
+            del out
     rng_after_embed = _rng_state(device)
+    # The caption term's global token count (its normaliser) and value: one 2-element all-reduce per step.
+    caption_total = caption.global_sum_and_count(captions) if caption is not None else None
 
     # Phase 2: the loss over all N pairs, once, in fp32.
     image_leaf = torch.cat(images).float().requires_grad_(True)
@@ -294,17 +351,18 @@ def cached_step(
         leaves.append(bias_out.detach().float().requires_grad_(True))
     result = loss_fn(*leaves)
     grads = torch.autograd.grad(result.backward_loss, leaves)
+    value = result.value
+    if caption is not None:
+        value = caption.contrastive_weight * value + caption.value(caption_total)
 
     # Non-finite guard, agreed across ranks *before* any backward, so a skipped step leaves no
     # partial gradients behind. The cache pass computes the same values as the recompute (same RNG),
     # so a NaN/inf embedding, loss or embedding gradient is seen here. (fp16 overflow inside a
     # backward is DeepSpeed's loss scaler's to catch; it skips that step itself.)
     # One host sync: every check stays on the device until any_rank reads the single flag.
-    not_finite = ~torch.stack(
-        [torch.isfinite(result.value).all(), *(torch.isfinite(g).all() for g in grads)]
-    ).all()
+    not_finite = ~torch.stack([torch.isfinite(value).all(), *(torch.isfinite(g).all() for g in grads)]).all()
     if distributed.any_rank(not_finite):
-        del out0, grads, result
+        del out0, grads, result, captions
         _set_rng_state(rng_after_embed, device)
         return StepResult(
             loss=torch.tensor(float("nan")),
@@ -313,9 +371,11 @@ def cached_step(
             micro_batches=k,
             skipped=True,
         )
-    g_images = (grads[0] * result.encoder_grad_coef).split(sizes)
-    g_texts = (grads[1] * result.encoder_grad_coef).split(sizes)
-    g_scalars = [g * result.scalar_grad_coef for g in grads[2:]]
+    weight = caption.contrastive_weight if caption is not None else 1.0
+    g_images = (grads[0] * (result.encoder_grad_coef * weight)).split(sizes)
+    g_texts = (grads[1] * (result.encoder_grad_coef * weight)).split(sizes)
+    g_scalars = [g * (result.scalar_grad_coef * weight) for g in grads[2:]]
+    caption_coef = caption.grad_coef(caption_total, loss_fn.world_size) if caption is not None else None
 
     # Phase 3: push the embedding gradients back through the encoders, then step once.
     # Managed accumulation is on only when the resolved config coalesces (ds_config); then the k backwards
@@ -338,6 +398,11 @@ def cached_step(
                 surrogate = surrogate + _dot(out["image_features"], g_images[j])
             if not text_frozen:
                 surrogate = surrogate + _dot(out["text_features"], g_texts[j])
+            if caption is not None:
+                # The caption term is per sample: this micro-batch's own tokens, in its own pass (micro-batch
+                # 0: the sum computed with its kept graph in phase 1).
+                token_loss = captions[0][0] if j == 0 else caption.token_loss_sum(out)
+                surrogate = surrogate + token_loss.float() * caption_coef
             if j == 0:
                 # logit_scale (and logit_bias) enter exactly once per step.
                 surrogate = surrogate + _dot(out["logit_scale"], g_scalars[0])
@@ -345,7 +410,7 @@ def cached_step(
                     surrogate = surrogate + _dot(out["logit_bias"], g_scalars[1])
             engine.backward(surrogate)
             del out, surrogate
-    del out0
+    del out0, captions
     _set_rng_state(rng_after_embed, device)
     engine.step()
     if coalesce:
@@ -355,7 +420,7 @@ def cached_step(
     # ds_clip's own skip above, did not advance the LR scheduler). A Python bool: no host sync.
     applied = engine.was_step_applied()
     return StepResult(
-        loss=result.value.detach(),
+        loss=value.detach(),
         logit_scale=scale_out.detach().float().reshape(()),
         local_samples=sum(sizes),
         micro_batches=k,

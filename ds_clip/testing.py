@@ -65,6 +65,9 @@ class RunSpec:
     """--lock-text --lock-text-freeze-layer-norm: the text tower frozen."""
     torchcompile: bool = False
     """--torchcompile: the model compiled (DeepSpeed's engine.compile, inductor)."""
+    varied_captions: bool = False
+    """Captions of different lengths (2 .. context_length - 1 tokens before the end token), for the CoCa
+    caption term, whose normaliser is the token count."""
     name: str = ""
 
 
@@ -98,9 +101,16 @@ class RunResult:
 
 
 def generated_pairs(
-    indices: Sequence[int], *, image_size: int, context_length: int, vocab_size: int, seed: int = 0
+    indices: Sequence[int],
+    *,
+    image_size: int,
+    context_length: int,
+    vocab_size: int,
+    seed: int = 0,
+    varied_lengths: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Image-text pairs defined by global sample index alone (16 latent classes, so the loss can fall)."""
+    """Image-text pairs defined by global sample index alone (16 latent classes, so the loss can fall).
+    ``varied_lengths``: caption lengths differ by sample (else all are context_length // 2)."""
     images, texts = [], []
     for idx in indices:
         g = torch.Generator().manual_seed(seed * 7_919 + int(idx))
@@ -110,6 +120,8 @@ def generated_pairs(
             3, image_size, image_size, generator=g
         )
         length = max(2, context_length // 2)
+        if varied_lengths:
+            length = 2 + (int(idx) * 3) % (context_length - 2)  # 2 .. context_length - 1, then the end token
         tokens = torch.randint(1, vocab_size - 1, (length,), generator=proto)
         noise = torch.rand(length, generator=g) < 0.2
         tokens[noise] = torch.randint(1, vocab_size - 1, (int(noise.sum()),), generator=g)
@@ -140,6 +152,7 @@ def step_micro_batches(
                 context_length=text.get("context_length", 77),
                 vocab_size=text.get("vocab_size", 49408),
                 seed=spec.seed,
+                varied_lengths=spec.varied_captions,
             )
         )
         ids.append(g)
@@ -304,7 +317,7 @@ def run_in_group(spec: RunSpec) -> RunResult:
         if spec.nan_at == (step, rank):
             batches[0] = (torch.full_like(batches[0][0], float("nan")), batches[0][1])
         before = _op_counts(comms) if comms is not None else None
-        res = cached_step(engine, batches, loss_fn, micro_batch_seeds=seeds)
+        res = cached_step(engine, batches, loss_fn, micro_batch_seeds=seeds, caption=built.caption_fn)
         if comms is not None:
             after = _op_counts(comms)
             per_step_ops.append(
@@ -403,10 +416,13 @@ def oracle_first_step(spec: RunSpec, world_size: int) -> tuple[dict[str, torch.T
 
     Each global micro-batch g is embedded with its seed (so dropout draws what the distributed run
     draws), the embeddings are concatenated, and open_clip's ``ClipLoss()`` / ``SigLipLoss()`` (world
-    size 1) is backpropagated: the definition of the full-batch gradient ds_clip promises.
+    size 1) is backpropagated: the definition of the full-batch gradient ds_clip promises. A CoCa model:
+    open_clip's ``CoCaLoss`` (the flags' default weights) on the whole batch, whose caption mean is then over
+    the non-pad tokens of all N captions.
     """
-    from open_clip.loss import ClipLoss, SigLipLoss
+    from open_clip.loss import ClipLoss, CoCaLoss, SigLipLoss
 
+    from ds_clip.caption import is_captioning
     from ds_clip.model import TowerLocks, build_model
 
     bundle = build_model(
@@ -416,7 +432,7 @@ def oracle_first_step(spec: RunSpec, world_size: int) -> tuple[dict[str, torch.T
         locks=TowerLocks(image=spec.lock_image, text=spec.lock_text, text_freeze_layer_norm=spec.lock_text),
     )
     model = bundle.model.train()
-    images, texts, out = [], [], None
+    images, texts, logits, labels, out = [], [], [], [], None
     for r in range(world_size):
         batches, gids = step_micro_batches(spec, bundle.model_cfg, 0, r, world_size)
         for (img, txt), g in zip(batches, gids):
@@ -424,8 +440,22 @@ def oracle_first_step(spec: RunSpec, world_size: int) -> tuple[dict[str, torch.T
             out = model(image=img, text=txt)
             images.append(out["image_features"])
             texts.append(out["text_features"])
+            if is_captioning(model):
+                logits.append(out["logits"])
+                labels.append(out["labels"])
     image, text = torch.cat(images), torch.cat(texts)
-    if spec.loss.siglip:
+    if is_captioning(model):
+        from ds_clip.config import LossSettings
+
+        weights = LossSettings()
+        coca = CoCaLoss(
+            caption_loss_weight=weights.coca_caption_loss_weight,
+            clip_loss_weight=weights.coca_contrastive_loss_weight,
+            pad_id=model.pad_id,
+        )
+        contrastive, caption = coca(image, text, torch.cat(logits), torch.cat(labels), out["logit_scale"])
+        loss = contrastive + caption
+    elif spec.loss.siglip:
         loss = SigLipLoss()(image, text, out["logit_scale"], out["logit_bias"])
     else:
         loss = ClipLoss()(image, text, out["logit_scale"])
@@ -436,6 +466,32 @@ def oracle_first_step(spec: RunSpec, world_size: int) -> tuple[dict[str, torch.T
 
 # ------------------------------------------------------------------------------ tiny models (no download)
 
+
+def coca_config(vision: dict, text: dict) -> dict:
+    """open_clip's CoCa around a ViT and a text tower config: an attentional-pool image tower with output
+    tokens, a text tower with a CLS token, and a one-block captioning decoder over the text tower's vocabulary
+    (open_clip's CoCa needs embed_dim = text width = decoder width)."""
+    return {
+        "embed_dim": text["width"],
+        "custom_text": True,
+        "vision_cfg": {
+            **vision,
+            "attentional_pool": True,
+            "attn_pooler_heads": 2,
+            "attn_pooler_queries": 4,
+            "output_tokens": True,
+        },
+        "text_cfg": {**text, "embed_cls": True, "output_tokens": True},
+        "multimodal_cfg": {
+            "context_length": text["context_length"],
+            "vocab_size": text["vocab_size"],
+            "width": text["width"],
+            "heads": text["heads"],
+            "layers": 1,
+        },
+    }
+
+
 # For runs of the real CLI: the built-in captions go through open_clip's SimpleTokenizer, so the text
 # tower needs its full vocabulary.
 E2E_MODEL = {
@@ -443,6 +499,9 @@ E2E_MODEL = {
     "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 16, "head_width": 16},
     "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
 }
+
+# The tiny CoCa of the trainer and launcher runs (the tokenizer's full vocabulary, as E2E_MODEL).
+COCA_E2E_MODEL = coca_config(E2E_MODEL["vision_cfg"], E2E_MODEL["text_cfg"])
 
 TEXT = {"context_length": 8, "vocab_size": 64, "width": 32, "heads": 2, "layers": 1}
 
@@ -454,6 +513,8 @@ VIT_VISION = {
     "head_width": 16,
     "patch_dropout": 0.25,
 }
+
+COCA = coca_config(VIT_VISION, TEXT)
 
 CONFIGS: dict[str, dict] = {
     # native open_clip ViT with FLIP-style patch dropout (draws from the CPU generator)
@@ -482,6 +543,9 @@ CONFIGS: dict[str, dict] = {
         },
         "text_cfg": TEXT,
     },
+    # open_clip's CoCa: attentional-pool image tower with output tokens, a text tower with a CLS token and a
+    # one-block captioning decoder over the 64-token vocabulary (its cross-attention reads the image tokens)
+    "coca": COCA,
     # open_clip's ModifiedResNet: BatchNorm running statistics
     "resnet_bn": {
         "embed_dim": 16,
@@ -599,6 +663,13 @@ def _matrix() -> list[Case]:
     cases += [Case("lit", stage, "fp32", GLOBAL, lock_image=True) for stage in (1, 3)]
     # One gradient reduction per step (engine.coalesce_grad_reduction() around the k backwards).
     cases += [Case("vit", stage, "fp32", GLOBAL, coalesce=True) for stage in (1, 2, 3)]
+    # CoCa: contrastive + caption (captions of different lengths), the caption mean over the global batch.
+    cases += [Case("coca", stage, "fp32", GLOBAL) for stage in range(4)]
+    cases += [
+        Case("coca", 2, "bf16", GLOBAL),
+        Case("coca", 1, "fp32", TILED),
+        Case("coca", 3, "fp32", GLOBAL, lock_image=True),
+    ]
     return cases
 
 
@@ -629,6 +700,7 @@ def spec_for(case: Case, models: dict[str, str], k: int) -> RunSpec:
         grad_checkpointing=case.grad_checkpointing,
         lock_image=case.lock_image,
         coalesce="on" if case.coalesce else "off",
+        varied_captions=case.model == "coca",
         capture_grads=True,
         name=case.name,
         **ADAM,

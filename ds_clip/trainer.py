@@ -30,7 +30,7 @@ from ds_clip.metrics import MetricsWriter, StepMeter
 from ds_clip.model import check_tokenizer_fits
 from ds_clip.preemption import StopRequest
 from ds_clip.presets import precision_mapping_text
-from ds_clip.step import StepResult, cached_step, micro_batch_seed
+from ds_clip.step import StepResult, UntrainedOutputError, cached_step, micro_batch_seed
 
 logger = logging.getLogger("ds_clip")
 
@@ -148,7 +148,7 @@ class Trainer:
             s, bundle, rank=info.rank, world_size=w, total_steps=self.total_steps,
             steps_per_epoch=self.data.steps_per_epoch,
         )  # fmt: skip
-        self.engine, self.loss_fn = built.engine, built.loss_fn
+        self.engine, self.loss_fn, self.caption_fn = built.engine, built.loss_fn, built.caption_fn
 
         import open_clip
 
@@ -228,7 +228,14 @@ class Trainer:
         if faults.active("nan", attempt, rank):
             micro_batches = [(torch.full_like(micro_batches[0][0], float("nan")), micro_batches[0][1])]
             micro_batches += batch.micro_batches[1:]
-        result = cached_step(self.engine, micro_batches, self.loss_fn, micro_batch_seeds=seeds)
+        try:
+            result = cached_step(
+                self.engine, micro_batches, self.loss_fn, micro_batch_seeds=seeds, caption=self.caption_fn
+            )
+        except UntrainedOutputError as exc:  # same on every rank: the first step's forward, before any update
+            raise UntrainedOutputError(
+                str(exc).replace("--model:", f"--model {self.s.model.model}:", 1)
+            ) from None
         if not result.skipped:
             clamp_logit_scale(self.engine)
         return result

@@ -4,7 +4,9 @@ Two process groups are started for the whole module (a DeepSpeed start costs sec
 a CPU machine): 2 ranks running every case with k=2 micro-batches, and 4 ranks running every case
 with k=1. Each case trains 3 AdamW steps on generated data assigned by global sample index, with
 stochastic layers seeded per global micro-batch, and records DeepSpeed's reduced gradient at step 0.
-The single-process oracle runs open_clip's own ClipLoss / SigLipLoss on the whole batch.
+The single-process oracle runs open_clip's own ClipLoss / SigLipLoss / CoCaLoss on the whole batch (CoCa:
+captions of different lengths, so the caption mean over the global batch's tokens differs from a mean of
+per-micro-batch or per-rank means).
 """
 
 from __future__ import annotations
