@@ -142,12 +142,5 @@ def test_coca_through_the_trainer_resumes_exactly_and_exports_a_coca_that_genera
     model = open_clip.create_model(f"local-dir:{exported[f'coca_z{zero}']}").eval()
     assert isinstance(model, open_clip.CoCa)
     image = torch.randn(2, 3, 32, 32)
-    try:
-        import transformers  # noqa: F401  (open_clip's generate() is built on it)
-    except ImportError:
-        with torch.no_grad():  # without transformers: the decoder's next-token logits, greedy
-            out = model(image=image, text=torch.full((2, 16), 49406))
-        assert out["logits"].shape == (2, 15, 49408) and torch.isfinite(out["logits"]).all()
-        return
     tokens = model.generate(image, generation_type="top_k", seq_len=8, min_seq_len=2)
     assert tokens.dtype == torch.long and tokens.shape[0] == 2 and tokens.shape[1] > 1
