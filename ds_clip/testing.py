@@ -65,6 +65,8 @@ class RunSpec:
     """--lock-text --lock-text-freeze-layer-norm: the text tower frozen."""
     torchcompile: bool = False
     """--torchcompile: the model compiled (DeepSpeed's engine.compile, inductor)."""
+    distill_model: str | None = None
+    """--distill-model: a frozen teacher (local-dir: with weights); the loss is open_clip's DistillClipLoss."""
     name: str = ""
 
 
@@ -190,6 +192,8 @@ def train_argv(spec: RunSpec, preset_dir: str | None = None) -> list[str]:
         argv += ["--lock-text", "--lock-text-freeze-layer-norm"]
     if spec.torchcompile:
         argv.append("--torchcompile")
+    if spec.distill_model:
+        argv += ["--distill-model", spec.distill_model]
     return argv
 
 
@@ -289,7 +293,7 @@ def run_in_group(spec: RunSpec) -> RunResult:
         built = build_engine(
             settings, bundle, rank=rank, world_size=world_size, total_steps=FLAT_SCHEDULE_STEPS
         )
-    engine, loss_fn = built.engine, built.loss_fn
+    engine, loss_fn, teacher = built.engine, built.loss_fn, built.teacher
     probe = _GradProbe(engine) if spec.capture_grads else None
     engine.train()
     losses, per_step_ops, skipped = [], [], []
@@ -304,7 +308,7 @@ def run_in_group(spec: RunSpec) -> RunResult:
         if spec.nan_at == (step, rank):
             batches[0] = (torch.full_like(batches[0][0], float("nan")), batches[0][1])
         before = _op_counts(comms) if comms is not None else None
-        res = cached_step(engine, batches, loss_fn, micro_batch_seeds=seeds)
+        res = cached_step(engine, batches, loss_fn, micro_batch_seeds=seeds, teacher=teacher)
         if comms is not None:
             after = _op_counts(comms)
             per_step_ops.append(
@@ -396,9 +400,12 @@ def oracle_first_step(spec: RunSpec, world_size: int) -> tuple[dict[str, torch.T
 
     Each global micro-batch g is embedded with its seed (so dropout draws what the distributed run
     draws), the embeddings are concatenated, and open_clip's ``ClipLoss()`` / ``SigLipLoss()`` (world
-    size 1) is backpropagated: the definition of the full-batch gradient ds_clip promises.
+    size 1) is backpropagated: the definition of the full-batch gradient ds_clip promises. With
+    ``spec.distill_model``: open_clip's ``DistillClipLoss()`` (contrastive + distill, summed as open_clip_train
+    sums them) against the teacher's embeddings of the whole batch, the teacher as open_clip_train runs it
+    (its own weights, eval mode, no grad).
     """
-    from open_clip.loss import ClipLoss, SigLipLoss
+    from open_clip.loss import ClipLoss, DistillClipLoss, SigLipLoss
 
     from ds_clip.model import TowerLocks, build_model
 
@@ -409,16 +416,27 @@ def oracle_first_step(spec: RunSpec, world_size: int) -> tuple[dict[str, torch.T
         locks=TowerLocks(image=spec.lock_image, text=spec.lock_text, text_freeze_layer_norm=spec.lock_text),
     )
     model = bundle.model.train()
-    images, texts, out = [], [], None
+    images, texts, out, all_batches = [], [], None, []
     for r in range(world_size):
         batches, gids = step_micro_batches(spec, bundle.model_cfg, 0, r, world_size)
+        all_batches += batches
         for (img, txt), g in zip(batches, gids):
             torch.manual_seed(micro_batch_seed(spec.seed, 0, g))
             out = model(image=img, text=txt)
             images.append(out["image_features"])
             texts.append(out["text_features"])
     image, text = torch.cat(images), torch.cat(texts)
-    if spec.loss.siglip:
+    if spec.distill_model:
+        teacher = build_model(spec.distill_model, seed=None).model.eval()
+        with torch.no_grad():
+            t = teacher(
+                image=torch.cat([i for i, _ in all_batches]), text=torch.cat([x for _, x in all_batches])
+            )
+        contrastive, distill = DistillClipLoss()(
+            image, text, out["logit_scale"], t["image_features"], t["text_features"], t["logit_scale"]
+        )
+        loss = contrastive + distill
+    elif spec.loss.siglip:
         loss = SigLipLoss()(image, text, out["logit_scale"], out["logit_bias"])
     else:
         loss = ClipLoss()(image, text, out["logit_scale"])
@@ -489,6 +507,16 @@ CONFIGS: dict[str, dict] = {
 PRETRAINED = {"lit": "vit"}
 PRETRAINED_SEED = 1234
 
+# A distillation teacher (--distill-model): the student's inputs (image size, tokenizer), another width and
+# embedding size (the distill loss compares N x N logits, not embeddings), its own weights and patch dropout
+# in its config, which only a teacher left in train mode would draw.
+TEACHER = {
+    "embed_dim": 24,
+    "vision_cfg": {**VIT_VISION, "width": 48, "head_width": 24},
+    "text_cfg": {**TEXT, "width": 48, "heads": 2},
+}
+TEACHER_SEED = 4321
+
 
 def write_pretrained_dir(folder: Path, model_cfg: dict, seed: int = PRETRAINED_SEED) -> str:
     """FOLDER/open_clip_config.json and FOLDER/open_clip_model.safetensors of a tiny open_clip model
@@ -518,6 +546,7 @@ def write_model_dirs(root: Path) -> dict[str, str]:
         names[name] = f"local-dir:{d}"
     for name, base in PRETRAINED.items():
         names[name] = write_pretrained_dir(root / name, CONFIGS[base])
+    names["teacher"] = write_pretrained_dir(root / "teacher", TEACHER, seed=TEACHER_SEED)
     return names
 
 
@@ -556,6 +585,8 @@ class Case:
     lock_image: bool = False
     coalesce: bool = False
     """--coalesce-grad-reduction on: one gradient reduction per step (ZeRO 1-3)."""
+    distill: bool = False
+    """--distill-model (the TEACHER folder): open_clip's DistillClipLoss, dense or tiled as ``loss`` says."""
 
     @property
     def name(self) -> str:
@@ -567,6 +598,7 @@ class Case:
         extra = ("-offload" if self.offload else "") + ("-ckpt" if self.grad_checkpointing else "")
         extra += "-lock-image" if self.lock_image else ""
         extra += "-coalesce" if self.coalesce else ""
+        extra += "-distill" if self.distill else ""
         return f"{self.model}-z{self.zero_stage}-{self.precision}-{loss}{extra}"
 
 
@@ -592,6 +624,11 @@ def _matrix() -> list[Case]:
     cases += [Case("lit", stage, "fp32", GLOBAL, lock_image=True) for stage in (1, 3)]
     # One gradient reduction per step (engine.coalesce_grad_reduction() around the k backwards).
     cases += [Case("vit", stage, "fp32", GLOBAL, coalesce=True) for stage in (1, 2, 3)]
+    # Distillation (a frozen teacher, open_clip's DistillClipLoss): dense on every stage, tiled (global and
+    # local rows), and the teacher in bf16 with a bf16 engine.
+    cases += [Case("vit", stage, "fp32", GLOBAL, distill=True) for stage in range(4)]
+    cases += [Case("vit", 1, "fp32", TILED, distill=True), Case("vit", 3, "fp32", TILED_LOCAL, distill=True)]
+    cases += [Case("vit", 2, "bf16", GLOBAL, distill=True)]
     return cases
 
 
@@ -622,6 +659,7 @@ def spec_for(case: Case, models: dict[str, str], k: int) -> RunSpec:
         grad_checkpointing=case.grad_checkpointing,
         lock_image=case.lock_image,
         coalesce="on" if case.coalesce else "off",
+        distill_model=models["teacher"] if case.distill else None,
         capture_grads=True,
         name=case.name,
         **ADAM,

@@ -142,7 +142,7 @@ class Trainer:
             s, bundle, rank=info.rank, world_size=w, total_steps=self.total_steps,
             steps_per_epoch=self.data.steps_per_epoch,
         )  # fmt: skip
-        self.engine, self.loss_fn = built.engine, built.loss_fn
+        self.engine, self.loss_fn, self.teacher = built.engine, built.loss_fn, built.teacher
 
         import open_clip
 
@@ -207,7 +207,9 @@ class Trainer:
         if faults.active("nan", attempt, rank):
             micro_batches = [(torch.full_like(micro_batches[0][0], float("nan")), micro_batches[0][1])]
             micro_batches += batch.micro_batches[1:]
-        result = cached_step(self.engine, micro_batches, self.loss_fn, micro_batch_seeds=seeds)
+        result = cached_step(
+            self.engine, micro_batches, self.loss_fn, micro_batch_seeds=seeds, teacher=self.teacher
+        )
         if not result.skipped:
             clamp_logit_scale(self.engine)
         return result
