@@ -457,6 +457,14 @@ E2E_MODEL = {
 
 TEXT = {"context_length": 8, "vocab_size": 64, "width": 32, "heads": 2, "layers": 1}
 
+# A --distill-model teacher for E2E_MODEL students (the same image size and tokenizer, wider, its own
+# embedding size); written with weights by write_pretrained_dir.
+E2E_TEACHER = {
+    "embed_dim": 24,
+    "vision_cfg": {**E2E_MODEL["vision_cfg"], "width": 48, "head_width": 24},
+    "text_cfg": {**E2E_MODEL["text_cfg"], "width": 48},
+}
+
 VIT_VISION = {
     "image_size": 16,
     "layers": 1,
