@@ -1,15 +1,18 @@
 """What distillation costs: time and peak memory per optimizer step of ds-clip-train with --distill-model, next
 to the same run without a teacher.
 
-    python benchmarks/bench_distill.py                                        # ~3 min on 2 CPU cores
+    python benchmarks/bench_distill.py                         # 4 runs: minutes on 2 quiet cores, ~25 at load 25
     python benchmarks/bench_distill.py --json docs/bench/distill_cpu.json     # what docs/benchmarks.md shows
+    python benchmarks/bench_distill.py --teacher student-size --json docs/bench/distill_cpu_same_size.json
 
 Each measurement is one ds-clip-train run (the real trainer, ``ds_clip.trainer.Trainer``, one rank, no
 launcher) in a fresh process with ds-clip-train's defaults (ds-clip-tiny, m = 8, ZeRO-1 fp32, synthetic data)
 plus ``--accum-freq`` (default 4) and ``--max-steps``; "teacher" runs add ``--distill-model`` with a teacher
-bigger than the student (bench_accum's bench-small config: 4 layers of width 256 per tower, the student's
-image size and tokenizer, random weights saved as an open_clip folder: the cost does not depend on what the
-weights are). The runs alternate (none, teacher, none, teacher...) so drifting load hits both alike.
+of the student's image size and tokenizer, random weights saved as an open_clip folder (the cost does not
+depend on what the weights are): ``--teacher bench-small`` (default; bench_accum's config, 4 layers of width
+256 per tower, patch 8: a teacher bigger than the student, as distillation uses) or ``--teacher student-size``
+(ds-clip-tiny itself: what the mechanism costs beyond the teacher's size). The runs alternate (none,
+teacher, none, teacher...) so drifting load hits both alike.
 
 Per run, the trainer's step (``Trainer._step``: the cached step and the clamp) is wrapped: the first
 ``--warmup-steps`` are not timed, the next ones are (wall time; a CUDA synchronize on a GPU), and one last
@@ -90,15 +93,31 @@ def _child(payload: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _write_teacher(root: Path) -> str:
+def _teacher_cfg(kind: str) -> dict[str, Any]:
+    """bench-small (4 layers of width 256 per tower, patch 8: ~20x the student's forward FLOPs) or the
+    student's own ds-clip-tiny config (the cost of the mechanism: one no-grad forward of a same-size model)."""
+    if kind == "bench-small":
+        return BENCH_SMALL
+    from ds_clip.model import load_model_cfg
+
+    return load_model_cfg("ds-clip-tiny")
+
+
+def _write_teacher(root: Path, cfg: dict[str, Any]) -> str:
     from ds_clip.testing import write_pretrained_dir
 
-    return write_pretrained_dir(root / "teacher", BENCH_SMALL, seed=0)
+    return write_pretrained_dir(root / "teacher", cfg, seed=0)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="benchmarks/bench_distill.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--accum-freq", type=int, default=4, help="k of every run (default 4)")
+    p.add_argument(
+        "--teacher",
+        choices=("bench-small", "student-size"),
+        default="bench-small",
+        help="teacher config: bench_accum's bench-small (bigger than the student) or the student's own",
+    )
     p.add_argument("--warmup-steps", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--timed-steps", type=int, default=6, help="timed steps per run (default 6)")
     p.add_argument("--reps", type=int, default=2, help="runs per mode, alternating (default 2)")
@@ -123,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     load_at_start = list(os.getloadavg())
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        teacher = _write_teacher(root)
+        teacher_cfg = _teacher_cfg(a.teacher)
+        teacher = _write_teacher(root, teacher_cfg)
         steps = a.warmup_steps + a.timed_steps + 1
         base = ["--accum-freq", str(a.accum_freq), "--max-steps", str(steps), "--logs", str(root / "logs"),
                 "--log-every-n-steps", str(steps), *a.extra]  # fmt: skip
@@ -175,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             "machine": {**machine_info(runs[0]["device"]), "loadavg_at_start": load_at_start},
             "command": "python benchmarks/bench_distill.py "
             + " ".join(argv if argv is not None else sys.argv[1:]),
-            "teacher_cfg": BENCH_SMALL,
+            "teacher": a.teacher,
+            "teacher_cfg": teacher_cfg,
             "summary": summary,
             "runs": runs,
         }

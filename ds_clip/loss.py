@@ -77,7 +77,8 @@ class LossOutput:
     scalar_grad_coef: float
     """Factor on the logit_scale / logit_bias gradients."""
     parts: dict[str, torch.Tensor] | None = None
-    """With distillation: {"contrastive_loss", "distill_loss"} of the full batch (detached; L is their sum)."""
+    """With distillation: {"contrastive_loss", "distill_loss"}, detached, their sum is backward_loss (this
+    rank's rows under --local-loss; no collective is spent on them)."""
 
 
 @dataclass
@@ -178,8 +179,6 @@ class ContrastiveLoss:
         else:
             loss = self._tiled(image_features, text_features, logit_scale, logit_bias)
         value = all_reduce_mean(loss) if self.rank_losses_are_partial else loss.detach()
-        if parts is not None and self.rank_losses_are_partial:
-            parts = {k: all_reduce_mean(v) for k, v in parts.items()}
         plain_global_gather = (
             self.world_size > 1 and not self.rank_losses_are_partial and not self.spec.gather_with_grad
         )
