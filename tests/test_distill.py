@@ -29,7 +29,8 @@ def _features(n: int, d: int, seed: int, dtype=torch.float64) -> tuple[torch.Ten
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max())
 
 
 def _reference(image, text, scale, t_image, t_text, t_scale, rows: slice | None = None, offset: int = 0):
