@@ -202,14 +202,11 @@ class _ClipTiled(torch.autograd.Function):
         scale = _scalar(logit_scale, dtype)
         coef = grad_out.detach().reshape(()).to(dtype) * (0.5 / image_rows.shape[0])
 
-        def acc_like(t: torch.Tensor, needed: bool) -> torch.Tensor | None:
-            return torch.zeros(t.shape, dtype=dtype, device=t.device) if needed else None
-
         # The row accumulators also give d scale, so they are built when the scale needs a grad.
-        acc_ir = acc_like(image_rows, need[0] or need[4])
-        acc_tr = acc_like(text_rows, need[1] or need[4])
-        acc_ic = acc_like(image_cols, need[2])
-        acc_tc = acc_like(text_cols, need[3])
+        acc_ir = _acc_like(dtype, image_rows, need[0] or need[4])
+        acc_tr = _acc_like(dtype, text_rows, need[1] or need[4])
+        acc_ic = _acc_like(dtype, image_cols, need[2])
+        acc_tc = _acc_like(dtype, text_cols, need[3])
         if acc_ir is not None or acc_tc is not None:
             _row_grad_accumulate(
                 image_rows, text_cols, max_i, log_sum_i, scale, coef, offset, tile, dtype, acc_ir, acc_tc
@@ -435,13 +432,10 @@ class _DistillTiled(torch.autograd.Function):
         coef = grad_contrastive.detach().reshape(()).to(dtype) * half_mean
         coef_t = grad_distill.detach().reshape(()).to(dtype) * half_mean
 
-        def acc_like(t: torch.Tensor, needed: bool) -> torch.Tensor | None:
-            return torch.zeros(t.shape, dtype=dtype, device=t.device) if needed else None
-
-        acc_ir = acc_like(ir, need[0] or need[4])
-        acc_tr = acc_like(tr, need[1] or need[4])
-        acc_ic = acc_like(ic, need[2])
-        acc_tc = acc_like(tc, need[3])
+        acc_ir = _acc_like(dtype, ir, need[0] or need[4])
+        acc_tr = _acc_like(dtype, tr, need[1] or need[4])
+        acc_ic = _acc_like(dtype, ic, need[2])
+        acc_tc = _acc_like(dtype, tc, need[3])
         for (rows, cols, t_rows, t_cols, acc_rows, acc_cols), (row_max, log_sum, t_max, t_log_sum) in zip(
             ((ir, tc, t_ir, t_tc, acc_ir, acc_tc), (tr, ic, t_tr, t_ic, acc_tr, acc_ic)),
             (saved[:4], saved[4:]),
@@ -557,6 +551,11 @@ def _out_dtype(logit_scale: torch.Tensor, features: torch.Tensor) -> torch.dtype
 def _dot(features: torch.Tensor, acc: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     assert acc is not None
     return torch.vdot(features.to(dtype).reshape(-1), acc.reshape(-1))
+
+
+def _acc_like(dtype: torch.dtype, t: torch.Tensor, needed: bool) -> torch.Tensor | None:
+    """A zero gradient accumulator shaped like ``t`` in the compute dtype, or None where no gradient is needed."""
+    return torch.zeros(t.shape, dtype=dtype, device=t.device) if needed else None
 
 
 def _finish(
