@@ -198,6 +198,21 @@ class ModelSettings:
     )
     """Training augmentation as open_clip's AugmentationCfg, e.g. scale='(0.5,1.0)' use_timm=True
     color_jitter=0.4 (values read as Python literals, else strings). Seeded per (seed, epoch, sample)."""
+    distill_model: str | None = opt(
+        None,
+        metavar="NAME",
+        open_clip="differs: works with --accum-freq > 1 (open_clip asserts k = 1); --distill-pretrained "
+        "optional for local-dir:",
+    )
+    """Distil from this frozen teacher (any name --model accepts, local-dir: included): the loss becomes
+    open_clip's DistillClipLoss over all N pairs. The teacher must read the student's images and tokens
+    (same image size, mean/std, tokenizer) and hold trained weights; it runs in eval mode, in the run's
+    precision, outside the optimizer and the checkpoints."""
+    distill_pretrained: str | None = opt(
+        None, metavar="PATH", open_clip="differs: local files and folders only; open_clip also downloads tags"
+    )
+    """Local weights file or folder of the --distill-model teacher (as --pretrained); needed for a named
+    teacher, not with local-dir: (its folder holds the weights)."""
 
 
 @dataclass
@@ -1122,6 +1137,7 @@ def validate(s: TrainSettings) -> None:
         _check_pretrained(s.model.pretrained)
     _check_model(s.model)
     check_model_flags(s.model)
+    _check_distill(s)
     # resume
     if ck.resume == "latest":
         _need(lg.name is not None, "--resume latest needs --name of the run to continue")
@@ -1184,25 +1200,66 @@ def _check_optim_groups_and_schedule(o: OptimSettings) -> None:
 
 
 def _check_model(m: ModelSettings) -> None:
-    if m.model in BUILTIN_MODELS:
+    _check_model_name(m.model, m.pretrained)
+
+
+def _check_model_name(
+    model: str, pretrained: str | None, flag: str = "--model", pretrained_flag: str = "--pretrained"
+) -> None:
+    """A model name (built in, open_clip's, or local-dir: with its config) and its weights flag."""
+    if model in BUILTIN_MODELS:
         return
-    if m.model.startswith(LOCAL_DIR_PREFIX):
-        folder = Path(m.model[len(LOCAL_DIR_PREFIX) :]).expanduser()
+    if model.startswith(LOCAL_DIR_PREFIX):
+        folder = Path(model[len(LOCAL_DIR_PREFIX) :]).expanduser()
         if not (folder / "open_clip_config.json").is_file():
-            raise SettingsError(f"--model {m.model}: {folder / 'open_clip_config.json'} not found")
-        if m.pretrained:
+            raise SettingsError(f"{flag} {model}: {folder / 'open_clip_config.json'} not found")
+        if pretrained:
             # open_clip ignores pretrained= for local-dir: and loads the folder's own weights.
             raise SettingsError(
-                f"--pretrained is ignored with --model {m.model}: put the weights in that folder "
+                f"{pretrained_flag} is ignored with {flag} {model}: put the weights in that folder "
                 "(open_clip_model.safetensors) instead"
             )
         return
     import open_clip  # only for names we do not know ourselves (a few seconds)
 
-    if m.model not in open_clip.list_models():
+    if model not in open_clip.list_models():
         raise SettingsError(
-            f"--model {m.model!r} is unknown: use {', '.join(BUILTIN_MODELS)}, an open_clip model name "
+            f"{flag} {model!r} is unknown: use {', '.join(BUILTIN_MODELS)}, an open_clip model name "
             "(open_clip.list_models()), or local-dir:PATH"
+        )
+
+
+# The weight files open_clip loads from a local-dir: folder (open_clip_model.safetensors first).
+_WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pth")
+
+
+def _check_distill(s: TrainSettings) -> None:
+    """--distill-model / --distill-pretrained: a teacher that exists and holds trained weights, and an
+    objective open_clip defines a distillation for. (Whether it reads the student's images and tokens is
+    checked where both models are built: ds_clip.model.check_teacher_fits.)"""
+    m = s.model
+    if m.distill_model is None:
+        _need(m.distill_pretrained is None, "--distill-pretrained needs --distill-model (the teacher)")
+        return
+    _check_model_name(m.distill_model, m.distill_pretrained, "--distill-model", "--distill-pretrained")
+    _need(
+        not s.loss.siglip,
+        "--distill-model with --siglip: open_clip defines distillation (DistillClipLoss) for the softmax CLIP "
+        "loss only; drop one of them",
+    )
+    if m.distill_pretrained:
+        _check_pretrained(m.distill_pretrained, "--distill-pretrained")
+    elif m.distill_model.startswith(LOCAL_DIR_PREFIX):
+        folder = Path(m.distill_model[len(LOCAL_DIR_PREFIX) :]).expanduser()
+        _need(
+            any(any(folder.glob(g)) for g in _WEIGHT_GLOBS),
+            f"--distill-model {m.distill_model}: the folder holds no weights (*.safetensors, *.bin, *.pth); "
+            "a teacher with random weights teaches nothing",
+        )
+    else:
+        raise SettingsError(
+            f"--distill-model {m.distill_model} needs --distill-pretrained (its weights; ds_clip downloads "
+            "nothing): a teacher with random weights teaches nothing"
         )
 
 
@@ -1267,22 +1324,22 @@ def aug_cfg_dict(words: list[str]) -> dict[str, Any]:
     return out
 
 
-def _check_pretrained(pretrained: str) -> None:
+def _check_pretrained(pretrained: str, flag: str = "--pretrained") -> None:
     path = Path(pretrained).expanduser()
     if path.is_dir():
         # An exported folder (ds-clip-export): the trainer loads its open_clip_model.safetensors.
         _need(
             any(path.glob("*.safetensors")) or any(path.glob("*.bin")),
-            f"--pretrained {pretrained!r}: the folder holds no *.safetensors or *.bin weights",
+            f"{flag} {pretrained!r}: the folder holds no *.safetensors or *.bin weights",
         )
         return
     if path.exists():
         return
     if "://" in pretrained or pretrained.startswith("hf-hub:"):
         raise SettingsError(
-            f"--pretrained {pretrained!r}: only local files or folders are loaded, not URLs or hubs"
+            f"{flag} {pretrained!r}: only local files or folders are loaded, not URLs or hubs"
         )
     raise SettingsError(
-        f"--pretrained {pretrained!r}: no such file or folder (ds_clip loads local weights only; "
+        f"{flag} {pretrained!r}: no such file or folder (ds_clip loads local weights only; "
         "open_clip tags like 'openai' are not downloaded)"
     )

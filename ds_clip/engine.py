@@ -1,7 +1,7 @@
-"""The one engine builder: settings -> open_clip model, resolved DeepSpeed JSON, optimizer, LR schedule and
-contrastive loss. ``ds-clip-train`` builds its engine here, and so do the tests and the demo that prove
-what it trains, so a proof covers exactly what ships (the shipped presets, DeepSpeed's config-built
-AdamW or CPU Adam under offload, the schedule, the clamp).
+"""The one engine builder: settings -> open_clip model, resolved DeepSpeed JSON, optimizer, LR schedule,
+contrastive loss and (--distill-model) the frozen teacher. ``ds-clip-train`` builds its engine here, and so
+do the tests and the demo that prove what it trains, so a proof covers exactly what ships (the shipped
+presets, DeepSpeed's config-built AdamW or CPU Adam under offload, the schedule, the clamp).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from ds_clip.caption import CaptionLoss, caption_loss_for
 from ds_clip.config import SettingsError, TrainSettings
 from ds_clip.ds_config import bn_sync_blocker, coalesce_fallback, optimizer_blocker, resolve_ds_config
 from ds_clip.loss import ContrastiveLoss, LossSpec, resolve_impl
-from ds_clip.model import ModelBundle, build_model, prepare_for_deepspeed
+from ds_clip.model import ModelBundle, Teacher, build_model, prepare_for_deepspeed
 from ds_clip.optim import format_groups, param_groups_for
 from ds_clip.schedule import build_scheduler, schedule_for
 
@@ -30,6 +30,8 @@ class BuiltEngine:
     """The resolved DeepSpeed JSON the engine was built from (written to the run folder)."""
     caption_fn: CaptionLoss | None = None
     """CoCa models: the caption term and the CoCa weights (``cached_step(..., caption=)``); else None."""
+    teacher: Teacher | None = None
+    """--distill-model: the frozen teacher, on the engine's device in its precision (not part of the engine)."""
 
 
 def build_model_bundle(s: TrainSettings) -> ModelBundle:
@@ -78,6 +80,27 @@ def build_model_bundle(s: TrainSettings) -> ModelBundle:
     return bundle
 
 
+def build_teacher(s: TrainSettings, student: ModelBundle) -> Teacher | None:
+    """The --distill-model teacher (None without it), built by the same builder as the student, on the CPU
+    in fp32, frozen and in eval mode, after checking it reads the student's images and tokens. Its weights
+    come from its local-dir: folder or --distill-pretrained (config validation refuses a teacher without
+    weights). The global RNG is left as it was: a teacher never shifts the student's random stream."""
+    import torch
+
+    from ds_clip.export import resolve_pretrained
+    from ds_clip.model import check_teacher_fits
+
+    name = s.model.distill_model
+    if name is None:
+        return None
+    with torch.random.fork_rng(devices=[]):
+        bundle = build_model(
+            name, pretrained=resolve_pretrained(s.model.distill_pretrained), seed=s.data.seed
+        )
+    check_teacher_fits(student, bundle, name)
+    return Teacher(bundle.model, name)
+
+
 def build_engine(
     s: TrainSettings,
     bundle: ModelBundle,
@@ -98,6 +121,8 @@ def build_engine(
     for why_not in (optimizer_blocker(s, accelerator), bn_sync_blocker(s, accelerator)):
         if why_not is not None:  # before DeepSpeed fails inside its op builder, or torch in the first forward
             raise SettingsError(why_not)
+    # Before DeepSpeed starts: a teacher that does not fit the student is refused without an engine.
+    teacher = build_teacher(s, bundle)
     o, loss = s.optim, s.loss
     # Per-tower groups, each with its own "lr"/"weight_decay"; the schedule scales each from its own peak.
     groups, group_table = param_groups_for(bundle.model, o)
@@ -127,9 +152,14 @@ def build_engine(
         # (a copy of the whole gradient; 605 MB per step for ViT-B-32). Averaging over one rank is the
         # identity, so skip it. (ZeRO 1-3 move gradients into their partitions in that same call: kept.)
         engine.enable_backward_allreduce = False
+    if teacher is not None:
+        from ds_clip.step import input_dtype
+
+        teacher.to(engine.device, input_dtype(engine))
     loss_fn = ContrastiveLoss(
         LossSpec(
             siglip=loss.siglip,
+            distill=teacher is not None,
             local_loss=loss.local_loss,
             gather_with_grad=loss.gather_with_grad,
             impl=resolve_impl(loss.loss_impl, world_size * o.accum_freq * o.batch_size),
@@ -144,4 +174,6 @@ def build_engine(
         contrastive_weight=loss.coca_contrastive_loss_weight,
         siglip=loss.siglip,
     )
-    return BuiltEngine(engine=engine, loss_fn=loss_fn, ds_config=ds_json, caption_fn=caption_fn)
+    return BuiltEngine(
+        engine=engine, loss_fn=loss_fn, ds_config=ds_json, caption_fn=caption_fn, teacher=teacher
+    )

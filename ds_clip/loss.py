@@ -13,6 +13,12 @@ local + gather-with-grad          loss_r, Σ_r loss_r = W·L   W·∂L/∂x -> c
 SigLIP (local rows, all texts)    loss_r, Σ_r loss_r = W·L   W·∂L/∂x -> coef 1     partial, mean = ∂L/∂s
 ================================  =========================  ===================  =================
 
+Distillation (``--distill-model``, open_clip's ``DistillClipLoss``: L = contrastive + distill) follows the
+same rows: the teacher's embeddings are gathered like the student's but are constants, so the distill term
+is one more function of the student's logits, global (same L on every rank: coef W with a plain gather, 1
+with gather-with-grad) or local (loss_r over this rank's rows, Σ_r loss_r = W·L: coef 1). The student's
+logit_scale gets its full gradient (coef 1); the teacher's scale gets none.
+
 The "coef" is the factor the step applies to the leaf gradient before pushing it through the
 encoders; DeepSpeed then divides the summed parameter gradients by W. ``logit_scale``/``logit_bias``
 enter once per step (not once per micro-batch) with ``scalar_grad_coef``.
@@ -36,7 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from open_clip.loss import ClipLoss, SigLipLoss
+from open_clip.loss import ClipLoss, DistillClipLoss, SigLipLoss
 
 from ds_clip.distributed import all_gather_cat, all_gather_cat_with_grad, all_reduce_mean
 from ds_clip.errors import UserError
@@ -56,6 +62,8 @@ class LossSpec:
     """'dense' (open_clip's own loss classes, N×N logits) or 'tiled' (ds_clip.tiled_loss, O(tile·N) memory)."""
     tile_size: int = 4096
     """Rows/columns per tile for impl='tiled'."""
+    distill: bool = False
+    """open_clip's DistillClipLoss (contrastive + distill against a frozen teacher's embeddings)."""
 
 
 @dataclass
@@ -68,6 +76,18 @@ class LossOutput:
     """Factor on the leaf-embedding gradients (see the module table)."""
     scalar_grad_coef: float
     """Factor on the logit_scale / logit_bias gradients."""
+    parts: dict[str, torch.Tensor] | None = None
+    """With distillation: {"contrastive_loss", "distill_loss"}, detached, their sum is backward_loss (this
+    rank's rows under --local-loss; no collective is spent on them)."""
+
+
+@dataclass
+class TeacherFeatures:
+    """This rank's k·m teacher embeddings and the teacher's own exp(logit_scale): constants of the loss."""
+
+    image_features: torch.Tensor
+    text_features: torch.Tensor
+    logit_scale: torch.Tensor
 
 
 # From this global batch on the tiled loss is no slower than the dense one (docs/loss.md: 0.56x dense
@@ -92,6 +112,10 @@ class ContrastiveLoss:
     def __init__(self, spec: LossSpec, rank: int = 0, world_size: int = 1):
         if spec.impl not in ("dense", "tiled"):
             raise LossConfigError(f"--loss-impl must be 'dense' or 'tiled', got {spec.impl!r}")
+        if spec.distill and spec.siglip:
+            raise LossConfigError(
+                "--distill-model with --siglip: open_clip's distillation (DistillClipLoss) is a softmax CLIP loss"
+            )
         if spec.local_loss and not spec.gather_with_grad and world_size > 1 and not spec.siglip:
             raise LossConfigError(
                 "--local-loss without --gather-with-grad is not the full-batch gradient (each rank would "
@@ -102,6 +126,13 @@ class ContrastiveLoss:
         self.world_size = world_size
         if spec.siglip:
             self._dense = _SigLipLoss(rank=rank, world_size=world_size, dist_impl="gather")
+        elif spec.distill:
+            self._dense = _DistillClipLoss(
+                local_loss=spec.local_loss,
+                gather_with_grad=spec.gather_with_grad,
+                rank=rank,
+                world_size=world_size,
+            )
         else:
             self._dense = _ClipLoss(
                 local_loss=spec.local_loss,
@@ -121,12 +152,26 @@ class ContrastiveLoss:
         text_features: torch.Tensor,
         logit_scale: torch.Tensor,
         logit_bias: torch.Tensor | None = None,
+        teacher: TeacherFeatures | None = None,
     ) -> LossOutput:
         if self.spec.siglip and logit_bias is None:
             raise LossConfigError(
                 "--siglip needs a model with logit_bias (e.g. a config with init_logit_bias)"
             )
-        if self.spec.impl == "dense":
+        if (teacher is not None) != self.spec.distill:
+            raise ValueError(
+                "the teacher's features are needed exactly when the loss distils (LossSpec.distill)"
+            )
+        parts = None
+        if teacher is not None:
+            args = (teacher.image_features, teacher.text_features, teacher.logit_scale)
+            if self.spec.impl == "dense":
+                contrastive, distill = self._dense(image_features, text_features, logit_scale, *args)
+            else:
+                contrastive, distill = self._tiled_distill(image_features, text_features, logit_scale, *args)
+            loss = contrastive + distill
+            parts = {"contrastive_loss": contrastive.detach(), "distill_loss": distill.detach()}
+        elif self.spec.impl == "dense":
             if self.spec.siglip:
                 loss = self._dense(image_features, text_features, logit_scale, logit_bias)
             else:
@@ -142,7 +187,34 @@ class ContrastiveLoss:
             value=value,
             encoder_grad_coef=float(self.world_size) if plain_global_gather else 1.0,
             scalar_grad_coef=1.0,
+            parts=parts,
         )
+
+    def _tiled_distill(self, image, text, scale, t_image, t_text, t_scale):
+        from ds_clip import tiled_loss
+
+        tile = self.spec.tile_size
+        if self.world_size == 1:
+            return tiled_loss.distill_clip_loss_tiled(
+                image, text, image, text, scale, t_image, t_text, t_image, t_text, t_scale, 0, tile
+            )
+        gather = dict(
+            local_loss=self.spec.local_loss,
+            gather_with_grad=self.spec.gather_with_grad,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        all_image, all_text = gather_features(image, text, **gather)
+        all_t_image, all_t_text = gather_features(t_image, t_text, **gather)
+        if self.spec.local_loss:
+            return tiled_loss.distill_clip_loss_tiled(
+                image, text, all_image, all_text, scale, t_image, t_text, all_t_image, all_t_text, t_scale,
+                self.rank * image.shape[0], tile,
+            )  # fmt: skip
+        return tiled_loss.distill_clip_loss_tiled(
+            all_image, all_text, all_image, all_text, scale, all_t_image, all_t_text, all_t_image, all_t_text,
+            t_scale, 0, tile,
+        )  # fmt: skip
 
     def _tiled(self, image, text, scale, bias):
         from ds_clip import tiled_loss
@@ -226,6 +298,12 @@ class _ClipLoss(ClipLoss):
             logits_per_image += logit_bias
             logits_per_text += logit_bias
         return logits_per_image, logits_per_text
+
+
+class _DistillClipLoss(_ClipLoss, DistillClipLoss):
+    """open_clip's DistillClipLoss (its forward and dist_loss: contrastive + distill, the teacher's logits
+    scaled by the teacher's own logit_scale); its gathers, of the student and of the teacher, go through
+    _ClipLoss.get_logits, i.e. ds_clip.distributed."""
 
 
 class _SigLipLoss(SigLipLoss):

@@ -332,3 +332,86 @@ def compile_engine(engine) -> None:
         backend,
         " (fallback_random: eager's random numbers)" if kwargs else "",
     )
+
+
+# ------------------------------------------------------------------------------------------ distillation
+
+
+class Teacher:
+    """A frozen open_clip model a student distils from (``--distill-model``, open_clip's DistillClipLoss).
+
+    Frozen (every ``requires_grad`` False) and in eval mode (no dropout draws, no BatchNorm updates), held
+    beside the DeepSpeed engine, never inside it: no optimizer state, no gradient reduction, nothing in a
+    checkpoint or an export. The cached step calls it once per micro-batch, in the cache pass, under
+    ``torch.no_grad()``; its embeddings and its own ``logit_scale`` enter the loss as constants.
+    """
+
+    def __init__(self, model: nn.Module, name: str) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.name = name
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> Teacher:
+        """In the engine's precision on the engine's device (bf16 under --precision bf16: half the fp32
+        memory, and the images the step hands it are already bf16)."""
+        self.model.to(device=device, dtype=dtype)
+        return self
+
+    @torch.no_grad()
+    def __call__(self, image: torch.Tensor, text: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.model(image=image, text=text)
+        return {k: out[k] for k in ("image_features", "text_features", "logit_scale")}
+
+
+def _preprocess_key(bundle: ModelBundle) -> dict[str, Any]:
+    size = bundle.model_cfg.get("vision_cfg", {}).get("image_size", 224)
+    pp = open_clip.get_model_preprocess_cfg(bundle.model)
+    return {
+        "image size": tuple(size) if isinstance(size, (list, tuple)) else (size, size),
+        "image mean": tuple(round(float(v), 6) for v in pp.get("mean", ())),
+        "image std": tuple(round(float(v), 6) for v in pp.get("std", ())),
+    }
+
+
+def _tokenizer_key(bundle: ModelBundle) -> dict[str, Any]:
+    t = bundle.tokenizer
+    inner = getattr(t, "tokenizer", None)
+    return {
+        "tokenizer": type(t).__name__,
+        "tokenizer name": getattr(inner, "name_or_path", None),
+        "context length": getattr(t, "context_length", None),
+        "vocabulary": getattr(t, "vocab_size", None),
+    }
+
+
+def check_teacher_fits(student: ModelBundle, teacher: ModelBundle, teacher_name: str) -> None:
+    """Refuse a teacher that would read the student's inputs differently than it was trained to.
+
+    The step hands the teacher the very tensors the student gets (as open_clip_train does): images made by
+    the student's transform, token ids of the student's tokenizer. A teacher with another image size cannot
+    take them (or would silently see them rescaled), another mean/std would see shifted pixels, another
+    tokenizer or context length other words. ds_clip refuses those rather than re-preprocessing per model:
+    open_clip's DistillClipLoss objective, as its trainer computes it, is defined on shared inputs. (The
+    resize interpolation and crop are the student's, as in open_clip.) Also refused: a CoCa student, which
+    open_clip does not distil either (its caption term has no teacher counterpart).
+    """
+    if "multimodal_cfg" in student.model_cfg:
+        raise ModelError(
+            f"--distill-model {teacher_name} with a CoCa student (--model {student.name}): open_clip defines "
+            "distillation for CLIP students only; drop --distill-model"
+        )
+    for key_of in (_preprocess_key, _tokenizer_key):
+        mine, theirs = key_of(student), key_of(teacher)
+        diff = [f"{k} {theirs[k]} (student: {mine[k]})" for k in mine if mine[k] != theirs[k]]
+        if diff:
+            raise ModelError(
+                f"--distill-model {teacher_name}: the teacher reads its inputs differently from the student "
+                f"({'; '.join(diff)}); the step feeds both the student's images and tokens, so choose a "
+                "teacher with the student's image size, normalisation and tokenizer (or adjust the student's "
+                "with --force-image-size / --image-mean / --image-std)"
+            )
+    missing = [m for m in ("encode_image", "encode_text") if not hasattr(teacher.model, m)]
+    if missing:
+        raise ModelError(
+            f"--distill-model {teacher_name}: {type(teacher.model).__name__} is not an open_clip image-text "
+            "model (no encode_image / encode_text)"
+        )

@@ -15,10 +15,12 @@ Phases, for k micro-batches of m pairs on each of W ranks (N = W·k·m):
 
 1. Embed. Micro-batch 0 runs forward *with* grad and keeps its graph (it is never recomputed, so
    k = 1 is exactly a plain step). Micro-batches 1..k-1 run under ``torch.no_grad()`` with their RNG
-   state (CPU and device) recorded and BatchNorm running statistics frozen.
+   state (CPU and device) recorded and BatchNorm running statistics frozen. A distillation teacher
+   (--distill-model) embeds every micro-batch here too, under no_grad, and nowhere else.
 2. Loss once. The k·m embeddings become fp32 leaves; ``ContrastiveLoss`` gathers the other ranks'
    embeddings and computes the full-batch loss; ``autograd.grad`` gives g_j = ∂L/∂(embeddings of
-   micro-batch j) and the gradients of logit_scale / logit_bias.
+   micro-batch j) and the gradients of logit_scale / logit_bias. The teacher's embeddings and scale
+   enter as constants (open_clip's DistillClipLoss).
 3. Push back. For each micro-batch the surrogate ⟨embeddings_j, g_j⟩ (fp32) is backpropagated
    through the encoders (micro-batch 0 through its kept graph, the others after recomputing with
    their RNG state restored). The logit_scale / logit_bias term is added once per step, to
@@ -53,8 +55,8 @@ from torch import nn
 from ds_clip import distributed
 from ds_clip.caption import CaptionLoss
 from ds_clip.errors import UserError
-from ds_clip.loss import ContrastiveLoss, LossConfigError
-from ds_clip.model import frozen_towers
+from ds_clip.loss import ContrastiveLoss, LossConfigError, TeacherFeatures
+from ds_clip.model import Teacher, frozen_towers
 
 
 class MicroBatchSizeError(UserError):
@@ -251,6 +253,7 @@ def cached_step(
     *,
     micro_batch_seeds: Sequence[int] | None = None,
     caption: CaptionLoss | None = None,
+    teacher: Teacher | None = None,
 ) -> StepResult:
     """Train one optimizer step on k = len(micro_batches) micro-batches of (images, token ids).
 
@@ -270,6 +273,9 @@ def cached_step(
 
     ``caption`` (CoCa models, ``BuiltEngine.caption_fn``): the objective becomes
     ``caption.contrastive_weight`` x the contrastive loss + the caption term of ``ds_clip.caption``.
+
+    ``teacher`` (--distill-model; the loss must distil): embeds each micro-batch once, in phase 1 under no_grad
+    (micro-batch 0 too, never in the recompute); its embeddings enter the loss as constants.
     """
     k = len(micro_batches)
     if k < 1:
@@ -310,9 +316,20 @@ def cached_step(
         skipped, recompute = None, True
 
     # Phase 1: embed. Micro-batch 0 keeps its graph; the rest are cached without one.
+    # The teacher (eval mode: it draws no random numbers) embeds each micro-batch right after the student, from
+    # the same device copy of the inputs, under no_grad; its embeddings are kept like the student's cache.
+    teacher_out: list[dict[str, torch.Tensor]] = []
+
+    def embed_teacher(inputs: dict[str, torch.Tensor]) -> None:
+        if teacher is not None:
+            teacher_out.append(teacher(inputs["image"], inputs["text"]))
+
     seed(0)
-    out0 = engine(**on_device(0))
+    inputs0 = on_device(0)
+    out0 = engine(**inputs0)
     check_outputs(out0.keys(), siglip=loss_fn.spec.siglip, caption=caption is not None)
+    embed_teacher(inputs0)
+    del inputs0
     images = [out0["image_features"].detach()]
     texts = [out0["text_features"].detach()]
     # CoCa: [token-loss sum, token count] per micro-batch; micro-batch 0's sum keeps its graph.
@@ -332,6 +349,7 @@ def cached_step(
             else:
                 rng_states.append(_rng_state(device))
                 out = engine(**inputs)
+            embed_teacher(inputs)
             images.append(out["image_features"])
             texts.append(out["text_features"])
             if caption is not None:
@@ -349,7 +367,16 @@ def cached_step(
     leaves = [image_leaf, text_leaf, scale_out.detach().float().requires_grad_(True)]
     if bias_out is not None and loss_fn.spec.siglip:
         leaves.append(bias_out.detach().float().requires_grad_(True))
-    result = loss_fn(*leaves)
+    teacher_features = None
+    if teacher is not None:
+        # Constants of the loss: no leaves, no gradient; the teacher's own scale scales its logits.
+        teacher_features = TeacherFeatures(
+            image_features=torch.cat([t["image_features"] for t in teacher_out]).float(),
+            text_features=torch.cat([t["text_features"] for t in teacher_out]).float(),
+            logit_scale=teacher_out[0]["logit_scale"].float(),
+        )
+        del teacher_out
+    result = loss_fn(*leaves, teacher=teacher_features)
     grads = torch.autograd.grad(result.backward_loss, leaves)
     value = result.value
     if caption is not None:

@@ -68,6 +68,8 @@ class RunSpec:
     varied_captions: bool = False
     """Captions of different lengths (2 .. context_length - 1 tokens before the end token), for the CoCa
     caption term, whose normaliser is the token count."""
+    distill_model: str | None = None
+    """--distill-model: a frozen teacher (local-dir: with weights); the loss is open_clip's DistillClipLoss."""
     name: str = ""
 
 
@@ -203,6 +205,8 @@ def train_argv(spec: RunSpec, preset_dir: str | None = None) -> list[str]:
         argv += ["--lock-text", "--lock-text-freeze-layer-norm"]
     if spec.torchcompile:
         argv.append("--torchcompile")
+    if spec.distill_model:
+        argv += ["--distill-model", spec.distill_model]
     return argv
 
 
@@ -302,7 +306,7 @@ def run_in_group(spec: RunSpec) -> RunResult:
         built = build_engine(
             settings, bundle, rank=rank, world_size=world_size, total_steps=FLAT_SCHEDULE_STEPS
         )
-    engine, loss_fn = built.engine, built.loss_fn
+    engine, loss_fn, teacher = built.engine, built.loss_fn, built.teacher
     probe = _GradProbe(engine) if spec.capture_grads else None
     engine.train()
     losses, per_step_ops, skipped = [], [], []
@@ -317,7 +321,9 @@ def run_in_group(spec: RunSpec) -> RunResult:
         if spec.nan_at == (step, rank):
             batches[0] = (torch.full_like(batches[0][0], float("nan")), batches[0][1])
         before = _op_counts(comms) if comms is not None else None
-        res = cached_step(engine, batches, loss_fn, micro_batch_seeds=seeds, caption=built.caption_fn)
+        res = cached_step(
+            engine, batches, loss_fn, micro_batch_seeds=seeds, caption=built.caption_fn, teacher=teacher
+        )
         if comms is not None:
             after = _op_counts(comms)
             per_step_ops.append(
@@ -418,9 +424,11 @@ def oracle_first_step(spec: RunSpec, world_size: int) -> tuple[dict[str, torch.T
     draws), the embeddings are concatenated, and open_clip's ``ClipLoss()`` / ``SigLipLoss()`` (world
     size 1) is backpropagated: the definition of the full-batch gradient ds_clip promises. A CoCa model:
     open_clip's ``CoCaLoss`` (the flags' default weights) on the whole batch, whose caption mean is then over
-    the non-pad tokens of all N captions.
+    the non-pad tokens of all N captions. With ``spec.distill_model``: open_clip's ``DistillClipLoss()``
+    (contrastive + distill, summed as open_clip_train sums them) against the teacher's embeddings of the whole
+    batch, the teacher as open_clip_train runs it (its own weights, eval mode, no grad).
     """
-    from open_clip.loss import ClipLoss, CoCaLoss, SigLipLoss
+    from open_clip.loss import ClipLoss, CoCaLoss, DistillClipLoss, SigLipLoss
 
     from ds_clip.caption import is_captioning
     from ds_clip.model import TowerLocks, build_model
@@ -432,9 +440,10 @@ def oracle_first_step(spec: RunSpec, world_size: int) -> tuple[dict[str, torch.T
         locks=TowerLocks(image=spec.lock_image, text=spec.lock_text, text_freeze_layer_norm=spec.lock_text),
     )
     model = bundle.model.train()
-    images, texts, logits, labels, out = [], [], [], [], None
+    images, texts, logits, labels, out, all_batches = [], [], [], [], None, []
     for r in range(world_size):
         batches, gids = step_micro_batches(spec, bundle.model_cfg, 0, r, world_size)
+        all_batches += batches
         for (img, txt), g in zip(batches, gids):
             torch.manual_seed(micro_batch_seed(spec.seed, 0, g))
             out = model(image=img, text=txt)
@@ -455,6 +464,16 @@ def oracle_first_step(spec: RunSpec, world_size: int) -> tuple[dict[str, torch.T
         )
         contrastive, caption = coca(image, text, torch.cat(logits), torch.cat(labels), out["logit_scale"])
         loss = contrastive + caption
+    elif spec.distill_model:
+        teacher = build_model(spec.distill_model, seed=None).model.eval()
+        with torch.no_grad():
+            t = teacher(
+                image=torch.cat([i for i, _ in all_batches]), text=torch.cat([x for _, x in all_batches])
+            )
+        contrastive, distill = DistillClipLoss()(
+            image, text, out["logit_scale"], t["image_features"], t["text_features"], t["logit_scale"]
+        )
+        loss = contrastive + distill
     elif spec.loss.siglip:
         loss = SigLipLoss()(image, text, out["logit_scale"], out["logit_bias"])
     else:
@@ -504,6 +523,14 @@ E2E_MODEL = {
 COCA_E2E_MODEL = coca_config(E2E_MODEL["vision_cfg"], E2E_MODEL["text_cfg"])
 
 TEXT = {"context_length": 8, "vocab_size": 64, "width": 32, "heads": 2, "layers": 1}
+
+# A --distill-model teacher for E2E_MODEL students (the same image size and tokenizer, wider, its own
+# embedding size); written with weights by write_pretrained_dir.
+E2E_TEACHER = {
+    "embed_dim": 24,
+    "vision_cfg": {**E2E_MODEL["vision_cfg"], "width": 48, "head_width": 24},
+    "text_cfg": {**E2E_MODEL["text_cfg"], "width": 48},
+}
 
 VIT_VISION = {
     "image_size": 16,
@@ -560,6 +587,16 @@ CONFIGS: dict[str, dict] = {
 PRETRAINED = {"lit": "vit"}
 PRETRAINED_SEED = 1234
 
+# A distillation teacher (--distill-model): the student's inputs (image size, tokenizer), another width and
+# embedding size (the distill loss compares N x N logits, not embeddings), its own weights and patch dropout
+# in its config, which only a teacher left in train mode would draw.
+TEACHER = {
+    "embed_dim": 24,
+    "vision_cfg": {**VIT_VISION, "width": 48, "head_width": 24},
+    "text_cfg": {**TEXT, "width": 48, "heads": 2},
+}
+TEACHER_SEED = 4321
+
 
 def write_pretrained_dir(folder: Path, model_cfg: dict, seed: int = PRETRAINED_SEED) -> str:
     """FOLDER/open_clip_config.json and FOLDER/open_clip_model.safetensors of a tiny open_clip model
@@ -589,6 +626,7 @@ def write_model_dirs(root: Path) -> dict[str, str]:
         names[name] = f"local-dir:{d}"
     for name, base in PRETRAINED.items():
         names[name] = write_pretrained_dir(root / name, CONFIGS[base])
+    names["teacher"] = write_pretrained_dir(root / "teacher", TEACHER, seed=TEACHER_SEED)
     return names
 
 
@@ -627,6 +665,8 @@ class Case:
     lock_image: bool = False
     coalesce: bool = False
     """--coalesce-grad-reduction on: one gradient reduction per step (ZeRO 1-3)."""
+    distill: bool = False
+    """--distill-model (the TEACHER folder): open_clip's DistillClipLoss, dense or tiled as ``loss`` says."""
 
     @property
     def name(self) -> str:
@@ -638,6 +678,7 @@ class Case:
         extra = ("-offload" if self.offload else "") + ("-ckpt" if self.grad_checkpointing else "")
         extra += "-lock-image" if self.lock_image else ""
         extra += "-coalesce" if self.coalesce else ""
+        extra += "-distill" if self.distill else ""
         return f"{self.model}-z{self.zero_stage}-{self.precision}-{loss}{extra}"
 
 
@@ -670,6 +711,11 @@ def _matrix() -> list[Case]:
         Case("coca", 1, "fp32", TILED),
         Case("coca", 3, "fp32", GLOBAL, lock_image=True),
     ]
+    # Distillation (a frozen teacher, open_clip's DistillClipLoss): dense on every stage, tiled (global and
+    # local rows), and the teacher in bf16 with a bf16 engine.
+    cases += [Case("vit", stage, "fp32", GLOBAL, distill=True) for stage in range(4)]
+    cases += [Case("vit", 1, "fp32", TILED, distill=True), Case("vit", 3, "fp32", TILED_LOCAL, distill=True)]
+    cases += [Case("vit", 2, "bf16", GLOBAL, distill=True)]
     return cases
 
 
@@ -701,6 +747,7 @@ def spec_for(case: Case, models: dict[str, str], k: int) -> RunSpec:
         lock_image=case.lock_image,
         coalesce="on" if case.coalesce else "off",
         varied_captions=case.model == "coca",
+        distill_model=models["teacher"] if case.distill else None,
         capture_grads=True,
         name=case.name,
         **ADAM,

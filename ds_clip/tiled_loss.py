@@ -132,8 +132,12 @@ def _row_grad_accumulate(
     dtype: torch.dtype,
     acc_rows: torch.Tensor | None,
     acc_cols: torch.Tensor | None,
+    teacher: _TeacherRows | None = None,
 ) -> None:
     """Adds G @ cols to ``acc_rows`` and G.T @ rows to ``acc_cols``, G = coef * (softmax - onehot).
+
+    With ``teacher`` (distillation): G = coef * (softmax - onehot) + coef_t * (softmax - teacher softmax),
+    the gradient of contrastive + distill term with respect to the student's logits.
 
     The accumulators hold gradients without the factor ``scale`` (d logits / d rows = scale * cols);
     the caller multiplies once at the end and gets d scale = <rows, acc_rows> for free.
@@ -146,9 +150,16 @@ def _row_grad_accumulate(
             probs = row_block @ col_block.T
             _exp_(probs.mul_(scale).sub_(max_block).sub_(log_sum_block))
             span = _positive_span(r0, r1, c0, c1, row_offset)
-            if span is not None:
-                _diagonal(probs, span).sub_(1.0)
-            probs.mul_(coef)
+            if teacher is not None:
+                teacher_probs = teacher.probs(r0, r1, c0, c1, dtype)
+                probs.mul_(coef + teacher.coef).sub_(teacher_probs.mul_(teacher.coef))
+                del teacher_probs
+                if span is not None:
+                    _diagonal(probs, span).sub_(coef)
+            else:
+                if span is not None:
+                    _diagonal(probs, span).sub_(1.0)
+                probs.mul_(coef)
             if acc_rows is not None:
                 acc_rows[r0:r1].addmm_(probs, col_block)
             if acc_cols is not None:
@@ -191,14 +202,11 @@ class _ClipTiled(torch.autograd.Function):
         scale = _scalar(logit_scale, dtype)
         coef = grad_out.detach().reshape(()).to(dtype) * (0.5 / image_rows.shape[0])
 
-        def acc_like(t: torch.Tensor, needed: bool) -> torch.Tensor | None:
-            return torch.zeros(t.shape, dtype=dtype, device=t.device) if needed else None
-
         # The row accumulators also give d scale, so they are built when the scale needs a grad.
-        acc_ir = acc_like(image_rows, need[0] or need[4])
-        acc_tr = acc_like(text_rows, need[1] or need[4])
-        acc_ic = acc_like(image_cols, need[2])
-        acc_tc = acc_like(text_cols, need[3])
+        acc_ir = _acc_like(dtype, image_rows, need[0] or need[4])
+        acc_tr = _acc_like(dtype, text_rows, need[1] or need[4])
+        acc_ic = _acc_like(dtype, image_cols, need[2])
+        acc_tc = _acc_like(dtype, text_cols, need[3])
         if acc_ir is not None or acc_tc is not None:
             _row_grad_accumulate(
                 image_rows, text_cols, max_i, log_sum_i, scale, coef, offset, tile, dtype, acc_ir, acc_tc
@@ -310,6 +318,148 @@ class _ClipTiledGlobal(torch.autograd.Function):
         )
 
 
+# ------------------------------------------------------------------------------------- distillation
+
+
+class _TeacherRows:
+    """The teacher's side of one direction of the distillation loss: its row and column embeddings, its scale,
+    and each row's log-sum-exp (max and log-sum kept apart, as in _row_lse) once they are known."""
+
+    def __init__(
+        self,
+        rows: torch.Tensor,
+        cols: torch.Tensor,
+        scale: torch.Tensor,
+        row_max: torch.Tensor,
+        log_sum: torch.Tensor,
+        coef: torch.Tensor | None = None,
+    ) -> None:
+        self.rows, self.cols, self.scale, self.row_max, self.log_sum = rows, cols, scale, row_max, log_sum
+        self.coef = coef
+        """Weight of the distillation term's gradient (backward only)."""
+
+    @classmethod
+    def of(
+        cls, rows: torch.Tensor, cols: torch.Tensor, scale: torch.Tensor, tile: int, dtype
+    ) -> _TeacherRows:
+        row_max, log_sum, _ = _row_lse(rows, cols, scale, 0, tile, dtype)
+        return cls(rows, cols, scale, row_max, log_sum)
+
+    def probs(self, r0: int, r1: int, c0: int, c1: int, dtype: torch.dtype) -> torch.Tensor:
+        """softmax of the teacher's logits, rows r0:r1, columns c0:c1 (a fresh block)."""
+        logits = self.rows[r0:r1].to(dtype) @ self.cols[c0:c1].to(dtype).T
+        return _exp_(logits.mul_(self.scale).sub_(self.row_max[r0:r1, None]).sub_(self.log_sum[r0:r1, None]))
+
+
+def _teacher_weighted_logits(
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    scale: torch.Tensor,
+    row_max: torch.Tensor,
+    teacher: _TeacherRows,
+    tile: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Per row i: sum_j p_t(ij) * (s_ij - max_i), with s the student's logits and p_t the teacher's softmax.
+
+    Then the row's distillation term -sum_j p_t(ij) log_softmax(s)_ij = log_sum_i - this (sum_j p_t = 1);
+    shifting by the row max keeps the summands small, as log_softmax does."""
+    out = torch.zeros(rows.shape[0], dtype=dtype, device=rows.device)
+    for r0, r1 in _spans(rows.shape[0], tile):
+        row_block = rows[r0:r1].to(dtype)
+        for c0, c1 in _spans(cols.shape[0], tile):
+            logits = row_block @ cols[c0:c1].to(dtype).T
+            logits.mul_(scale).sub_(row_max[r0:r1, None])
+            out[r0:r1] += (teacher.probs(r0, r1, c0, c1, dtype).mul_(logits)).sum(dim=1)
+    return out
+
+
+class _DistillTiled(torch.autograd.Function):
+    """open_clip's DistillClipLoss, blockwise: rows against all columns (row i's positive at column
+    row_offset + i) for the student, the teacher's rows and columns alike; returns (contrastive, distill).
+    Only the student's embeddings and scale get gradients: the teacher's inputs are constants."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx,
+        image_rows: torch.Tensor,
+        text_rows: torch.Tensor,
+        image_cols: torch.Tensor,
+        text_cols: torch.Tensor,
+        logit_scale: torch.Tensor,
+        teacher_image_rows: torch.Tensor,
+        teacher_text_rows: torch.Tensor,
+        teacher_image_cols: torch.Tensor,
+        teacher_text_cols: torch.Tensor,
+        teacher_logit_scale: torch.Tensor,
+        row_offset: int,
+        tile: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = _compute_dtype(
+            image_rows, text_rows, image_cols, text_cols, logit_scale, teacher_image_rows, teacher_text_rows,
+            teacher_image_cols, teacher_text_cols, teacher_logit_scale,
+        )  # fmt: skip
+        scale, teacher_scale = _scalar(logit_scale, dtype), _scalar(teacher_logit_scale, dtype)
+        contrastive, distill, saved = [], [], []
+        for rows, cols, t_rows, t_cols in (
+            (image_rows, text_cols, teacher_image_rows, teacher_text_cols),
+            (text_rows, image_cols, teacher_text_rows, teacher_image_cols),
+        ):
+            row_max, log_sum, pos = _row_lse(rows, cols, scale, row_offset, tile, dtype)
+            teacher = _TeacherRows.of(t_rows, t_cols, teacher_scale, tile, dtype)
+            weighted = _teacher_weighted_logits(rows, cols, scale, row_max, teacher, tile, dtype)
+            contrastive.append((row_max - pos + log_sum).mean())
+            distill.append((log_sum - weighted).mean())
+            saved += [row_max, log_sum, teacher.row_max, teacher.log_sum]
+        ctx.save_for_backward(
+            image_rows, text_rows, image_cols, text_cols, logit_scale, teacher_image_rows, teacher_text_rows,
+            teacher_image_cols, teacher_text_cols, teacher_logit_scale, *saved,
+        )  # fmt: skip
+        ctx.row_offset, ctx.tile, ctx.dtype = row_offset, tile, dtype
+        out_dtype = _out_dtype(logit_scale, image_rows)
+        return (0.5 * (contrastive[0] + contrastive[1])).to(out_dtype), (0.5 * (distill[0] + distill[1])).to(
+            out_dtype
+        )
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_contrastive: torch.Tensor, grad_distill: torch.Tensor):  # type: ignore[override]
+        (ir, tr, ic, tc, logit_scale, t_ir, t_tr, t_ic, t_tc, t_scale_in, *saved) = ctx.saved_tensors
+        dtype, tile, offset = ctx.dtype, ctx.tile, ctx.row_offset
+        need = ctx.needs_input_grad
+        scale, teacher_scale = _scalar(logit_scale, dtype), _scalar(t_scale_in, dtype)
+        half_mean = 0.5 / ir.shape[0]
+        coef = grad_contrastive.detach().reshape(()).to(dtype) * half_mean
+        coef_t = grad_distill.detach().reshape(()).to(dtype) * half_mean
+
+        acc_ir = _acc_like(dtype, ir, need[0] or need[4])
+        acc_tr = _acc_like(dtype, tr, need[1] or need[4])
+        acc_ic = _acc_like(dtype, ic, need[2])
+        acc_tc = _acc_like(dtype, tc, need[3])
+        for (rows, cols, t_rows, t_cols, acc_rows, acc_cols), (row_max, log_sum, t_max, t_log_sum) in zip(
+            ((ir, tc, t_ir, t_tc, acc_ir, acc_tc), (tr, ic, t_tr, t_ic, acc_tr, acc_ic)),
+            (saved[:4], saved[4:]),
+        ):
+            if acc_rows is None and acc_cols is None:
+                continue
+            teacher = _TeacherRows(t_rows, t_cols, teacher_scale, t_max, t_log_sum, coef_t)
+            _row_grad_accumulate(
+                rows, cols, row_max, log_sum, scale, coef, offset, tile, dtype, acc_rows, acc_cols, teacher
+            )
+        grad_scale = None
+        if need[4]:
+            total = _dot(ir, acc_ir, dtype) + _dot(tr, acc_tr, dtype)
+            grad_scale = total.reshape(logit_scale.shape).to(logit_scale.dtype)
+        return (
+            _finish(acc_ir, scale, ir, need[0]),
+            _finish(acc_tr, scale, tr, need[1]),
+            _finish(acc_ic, scale, ic, need[2]),
+            _finish(acc_tc, scale, tc, need[3]),
+            grad_scale,
+            *([None] * 7),
+        )
+
+
 # ------------------------------------------------------------------------------------------- SigLIP
 
 
@@ -401,6 +551,11 @@ def _out_dtype(logit_scale: torch.Tensor, features: torch.Tensor) -> torch.dtype
 def _dot(features: torch.Tensor, acc: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     assert acc is not None
     return torch.vdot(features.to(dtype).reshape(-1), acc.reshape(-1))
+
+
+def _acc_like(dtype: torch.dtype, t: torch.Tensor, needed: bool) -> torch.Tensor | None:
+    """A zero gradient accumulator shaped like ``t`` in the compute dtype, or None where no gradient is needed."""
+    return torch.zeros(t.shape, dtype=dtype, device=t.device) if needed else None
 
 
 def _finish(
@@ -513,3 +668,48 @@ def siglip_loss_chunked(
         tile_size,
     )
     return _SiglipChunked.apply(image_rows, text_cols, logit_scale, logit_bias, row_offset, tile_size)
+
+
+def distill_clip_loss_tiled(
+    image_rows: torch.Tensor,
+    text_rows: torch.Tensor,
+    image_cols: torch.Tensor,
+    text_cols: torch.Tensor,
+    logit_scale: torch.Tensor,
+    teacher_image_rows: torch.Tensor,
+    teacher_text_rows: torch.Tensor,
+    teacher_image_cols: torch.Tensor,
+    teacher_text_cols: torch.Tensor,
+    teacher_logit_scale: torch.Tensor,
+    row_offset: int = 0,
+    tile_size: int = DEFAULT_TILE_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """open_clip's ``DistillClipLoss`` (contrastive, distill) without an N x N logits matrix.
+
+    contrastive is ``clip_loss_tiled`` of the student; distill is
+    ``0.5 * (D(t_image_rows @ t_text_cols.T, image_rows @ text_cols.T) + D(text direction))`` with
+    ``D(t, s) = mean_i -sum_j softmax(t_scale * t)_ij log_softmax(s_scale * s)_ij``: the teacher's own
+    ``teacher_logit_scale`` scales the teacher's logits. Per row it needs the log-sum-exp of the teacher and
+    of the student, then ``sum_j p_t(ij) s_ij``, all block by block, so memory stays O(tile^2 + N) beyond
+    the inputs; the teacher's embeddings may have another width than the student's. Rows, columns and
+    ``row_offset`` as in ``clip_loss_tiled`` (the teacher's rows and columns are split the same way).
+    Gradients flow to the student's embeddings and scale only (the teacher's are detached).
+    """
+    rows = {"image_rows": image_rows, "text_rows": text_rows}
+    cols = {"image_cols": image_cols, "text_cols": text_cols}
+    _check_common(rows, cols, {"logit_scale": logit_scale}, row_offset, tile_size)
+    t_rows = {"teacher_image_rows": teacher_image_rows, "teacher_text_rows": teacher_text_rows}
+    t_cols = {"teacher_image_cols": teacher_image_cols, "teacher_text_cols": teacher_text_cols}
+    _check_common(t_rows, t_cols, {"teacher_logit_scale": teacher_logit_scale}, row_offset, tile_size)
+    if (teacher_image_rows.shape[0], teacher_image_cols.shape[0]) != (
+        image_rows.shape[0],
+        image_cols.shape[0],
+    ):
+        raise ValueError(
+            f"teacher rows/columns {teacher_image_rows.shape[0]}/{teacher_image_cols.shape[0]} differ from the "
+            f"student's {image_rows.shape[0]}/{image_cols.shape[0]}"
+        )
+    teacher = (t.detach() for t in (*t_rows.values(), *t_cols.values(), teacher_logit_scale))
+    return _DistillTiled.apply(
+        image_rows, text_rows, image_cols, text_cols, logit_scale, *teacher, row_offset, tile_size
+    )

@@ -148,7 +148,8 @@ class Trainer:
             s, bundle, rank=info.rank, world_size=w, total_steps=self.total_steps,
             steps_per_epoch=self.data.steps_per_epoch,
         )  # fmt: skip
-        self.engine, self.loss_fn, self.caption_fn = built.engine, built.loss_fn, built.caption_fn
+        self.engine, self.loss_fn = built.engine, built.loss_fn
+        self.caption_fn, self.teacher = built.caption_fn, built.teacher
 
         import open_clip
 
@@ -230,8 +231,9 @@ class Trainer:
             micro_batches += batch.micro_batches[1:]
         try:
             result = cached_step(
-                self.engine, micro_batches, self.loss_fn, micro_batch_seeds=seeds, caption=self.caption_fn
-            )
+                self.engine, micro_batches, self.loss_fn, micro_batch_seeds=seeds, caption=self.caption_fn,
+                teacher=self.teacher,
+            )  # fmt: skip
         except UntrainedOutputError as exc:  # same on every rank: the first step's forward, before any update
             raise UntrainedOutputError(
                 str(exc).replace("--model:", f"--model {self.s.model.model}:", 1)

@@ -8,7 +8,8 @@ seconds here): 4 ranks (k=1 runs saved on W=4), 2 ranks (k=2: ZeRO 0-3 uninterru
 interrupted-at-step-2-then-resumed, resumes of the W=4 runs, webdataset resumes, a short pre-training for
 the clamp test), 4 ranks again (resumes of the W=2 runs, the clamp cases). Global batch N = W*k*m = 8 in
 every run (m=2; k=2 on 2 ranks, k=1 on 4): the same pairs (synthetic: by global sample index), the same
-crops (a function of seed, epoch and sample) and the same dropout seeds in every split.
+crops (a function of seed, epoch and sample) and the same dropout seeds in every split. A distilled run
+(--distill-model, ZeRO-3) is trained and resumed in the 2-rank group too.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 from ds_clip import checkpoint as ck
 from ds_clip.errors import UserError
-from ds_clip.testing import E2E_MODEL, spawn_group
+from ds_clip.testing import E2E_MODEL, E2E_TEACHER, spawn_group, write_pretrained_dir
 
 M, STEPS, SAVE_AT = 2, 4, 2
 STAGES = (0, 1, 2, 3)
@@ -70,11 +71,15 @@ def _group_w4_first(model: str, logs: Path) -> None:
         _train(_args(model, logs, f"full4_z{z}", z, 1))
 
 
-def _group_w2(model: str, logs: Path, classes: str, shards: str) -> dict:
+def _group_w2(model: str, logs: Path, classes: str, shards: str, teacher: str) -> dict:
     val = ["--val-data", "synthetic", "--val-num-samples", str(VAL_SAMPLES), "--zeroshot-classes", classes]
     for z in STAGES:
         _train(_args(model, logs, f"full2_z{z}", z, 2, *(val if z == 3 else [])))
         _train(_resume(_args(model, logs, f"res2_z{z}", z, 2), logs, f"full2_z{z}"))
+    # Distilled (a frozen teacher beside the ZeRO-3 engine), uninterrupted and resumed at step 2.
+    distill = ["--distill-model", teacher]
+    _train(_args(model, logs, "distill2_z3", 3, 2, *distill))
+    _train(_resume(_args(model, logs, "distillres2_z3", 3, 2, *distill), logs, "distill2_z3"))
     for workers in RESUME_WORKERS:
         _train(_args(model, logs, f"full2_z3_w{workers}", 3, 2, workers=workers))
         _train(
@@ -254,8 +259,9 @@ def runs(tmp_path_factory) -> dict:
     classes.write_text(json.dumps(CLASSES))
     shards = _make_shards(root)
     model, logs = f"local-dir:{model_dir}", root / "logs"
+    teacher = write_pretrained_dir(root / "teacher", E2E_TEACHER)
     spawn_group(4, _group_w4_first, model, logs)
-    engine = spawn_group(2, _group_w2, model, logs, str(classes), shards)
+    engine = spawn_group(2, _group_w2, model, logs, str(classes), shards, teacher)
     clamp = spawn_group(4, _group_w4_second, model, logs, _clamp_model(root))
     return {"logs": logs, "engine": engine, "classes": str(classes), "root": root, "clamp": clamp}
 
@@ -290,6 +296,43 @@ def test_resume_is_step_exact(runs, zero):
     )
     rank_state = json.loads((_ckpt(logs, f"res2_z{zero}", STEPS) / "rank1.json").read_text())
     assert rank_state["data"]["step_in_epoch"] == STEPS and len(rank_state["rng"]["torch"]) > 0
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_distilled_resume_is_step_exact_and_the_teacher_is_in_no_checkpoint(runs, tmp_path):
+    """--distill-model (a frozen local-dir: teacher) on ZeRO-3: interrupted at step 2 and resumed, the student
+    at step 4 equals the uninterrupted distilled run's; the teacher moved it (it differs from the same run
+    without a teacher); the checkpoint holds the student alone (same parameters and, to a few KB of
+    settings, the same bytes as the run without a teacher), and ds-clip-export writes the student, loaded
+    strictly by open_clip."""
+    import open_clip
+
+    from ds_clip.export import main as export_main
+
+    logs = runs["logs"]
+    full, resumed = _final(logs, "distill2_z3"), _final(logs, "distillres2_z3")
+    assert _max_abs_diff(resumed, full) <= 1e-6
+    plain = _final(logs, "full2_z3")
+    assert full.keys() == plain.keys()
+    assert _max_abs_diff(full, plain) > 1e-4  # the distill term changed what was trained
+    meta = ck.read_meta(_ckpt(logs, "distillres2_z3", STEPS))
+    assert meta["param_shapes"] == ck.read_meta(_ckpt(logs, "full2_z3", STEPS))["param_shapes"]
+
+    def size(name: str) -> int:
+        return sum(f.stat().st_size for f in _ckpt(logs, name, STEPS).iterdir() if f.suffix == ".pt")
+
+    assert abs(size("distill2_z3") - size("full2_z3")) < 64 * 1024  # the teacher alone is ~10 MB
+    out = tmp_path / "export"
+    assert export_main([str(logs / "distill2_z3"), str(out)]) == 0
+    from safetensors.torch import load_file
+
+    exported = load_file(str(out / "open_clip_model.safetensors"))
+    student = open_clip.create_model(f"local-dir:{out}")  # loads strictly
+    assert exported.keys() == student.state_dict().keys()
+    assert {tuple(v.shape) for v in exported.values()} == {
+        tuple(v.shape) for v in student.state_dict().values()
+    }
 
 
 @pytest.mark.distributed

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ds_clip.distributed import _free_port
-from ds_clip.testing import COCA_E2E_MODEL, E2E_MODEL
+from ds_clip.testing import COCA_E2E_MODEL, E2E_MODEL, E2E_TEACHER, write_pretrained_dir
 from tests import shm_files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,6 +147,29 @@ def test_deepspeed_launcher_trains_coca_decoder(coca_dir, tmp_path):
     assert bad.returncode == 2, bad.stderr[-2000:]
     assert "Traceback" not in bad.stderr
     assert f"--model {coca_dir}" in bad.stderr and "'logits'" in bad.stderr, bad.stderr[-2000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_deepspeed_launcher_trains_distilled_with_accum_freq_4(model_dir, tmp_path):
+    """`deepspeed --num_gpus 2 --module ds_clip.train --distill-model local-dir:TEACHER --accum-freq 4` (what
+    open_clip refuses: its distillation asserts --accum-freq 1) trains: k*m*W = 16 samples per step, the
+    teacher recorded in the run's settings, a complete checkpoint of the student."""
+    teacher = write_pretrained_dir(tmp_path / "teacher", E2E_TEACHER)
+    m, k, steps = 2, 4, 2
+    args = [
+        "--model", model_dir, "--batch-size", str(m), "--accum-freq", str(k), "--max-steps", str(steps),
+        "--log-every-n-steps", "1", "--logs", str(tmp_path), "--name", "distill", "--workers", "1",
+        "--warmup", "1", "--distill-model", teacher,
+    ]  # fmt: skip
+    proc = _run(["deepspeed", "--num_gpus", "2", "--module", "ds_clip.train", *args])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    seen = [int(x) for x in re.findall(r"^step \d+/\d+ \| epoch \d+ \| samples (\d+)", proc.stdout, re.M)]
+    assert seen == [s * k * m * W for s in range(1, steps + 1)], out[-3000:]
+    run_dir = tmp_path / "distill"
+    assert json.loads((run_dir / "settings.json").read_text())["distill_model"] == teacher
+    assert (run_dir / "checkpoints" / "latest_complete").read_text() == f"step_{steps:08d}"
 
 
 @pytest.mark.e2e

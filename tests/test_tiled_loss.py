@@ -332,7 +332,7 @@ _MEMORY_PROBE = textwrap.dedent(
     import json, resource, sys
     import torch
     from open_clip.loss import ClipLoss
-    from ds_clip.tiled_loss import clip_loss_tiled, siglip_loss_chunked
+    from ds_clip.tiled_loss import clip_loss_tiled, distill_clip_loss_tiled, siglip_loss_chunked
     torch.set_num_threads(1)
 
     def max_rss_bytes():
@@ -345,7 +345,12 @@ _MEMORY_PROBE = textwrap.dedent(
         s = torch.tensor(10.0, requires_grad=True)
         b = torch.tensor(-10.0, requires_grad=True)
         half = n // 2
+        t_img, t_txt = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g)  # a teacher's, constants
+        t_s = torch.tensor(20.0)
         return {
+            "distill_global": lambda: sum(
+                distill_clip_loss_tiled(img, txt, img, txt, s, t_img, t_txt, t_img, t_txt, t_s, 0, tile)
+            ),
             "clip_global": lambda: clip_loss_tiled(img, txt, img, txt, s, tile_size=tile),
             "clip_local": lambda: clip_loss_tiled(img[half:], txt[half:], img, txt, s, half, tile),
             "siglip": lambda: siglip_loss_chunked(img, txt, s, b, tile_size=tile),
@@ -367,7 +372,8 @@ _MEMORY_PROBE = textwrap.dedent(
 
 
 def test_memory_is_not_quadratic() -> None:
-    """Peak memory of forward+backward stays far below one N x N fp32 matrix.
+    """Peak memory of forward+backward stays far below one N x N fp32 matrix (CLIP global and local rows,
+    SigLIP, and the distillation loss with its teacher's logits).
 
     How: a fresh subprocess (so nothing else of this test session inflates its memory) warms up,
     then runs each loss at N = 6144, d = 16, tile 512, and reports the growth of its peak resident
@@ -390,6 +396,6 @@ def test_memory_is_not_quadratic() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     growth = json.loads(proc.stdout.strip().splitlines()[-1])
-    for name in ("clip_global", "clip_local", "siglip"):
+    for name in ("clip_global", "clip_local", "siglip", "distill_global"):
         assert growth[name] < matrix_bytes / 8, (name, growth)
     assert growth["dense_clip"] > matrix_bytes, growth
