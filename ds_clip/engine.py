@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ds_clip.config import TrainSettings
-from ds_clip.ds_config import coalesce_fallback, resolve_ds_config
+from ds_clip.ds_config import coalesce_fallback, default_preset, resolve_ds_config
 from ds_clip.loss import ContrastiveLoss, LossSpec, resolve_impl
 from ds_clip.model import ModelBundle, build_model, prepare_for_deepspeed
 from ds_clip.optim import format_groups, param_groups_for
@@ -85,7 +85,10 @@ def build_engine(
     groups, group_table = param_groups_for(bundle.model, o)
     schedule = schedule_for(o, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
     if rank == 0:
-        why = coalesce_fallback(s)
+        if s.dist.ds_config is None:
+            preset, reason = default_preset(s, world_size)
+            logger.info("DeepSpeed preset %s (the default; --ds-config to choose): %s", preset, reason)
+        why = coalesce_fallback(s, world_size)
         if why is not None:
             logger.info("--coalesce-grad-reduction auto: off here, %s", why)
         table = format_groups(group_table)
