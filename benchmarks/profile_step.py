@@ -8,7 +8,7 @@ and open_clip's, run as users run them (their own entry points, their own defaul
 
 Everything after ``--`` goes to the trainer unchanged, plus what both need to run a short synthetic job here
 (ds_clip: --max-steps, --logs; open_clip: --dataset-type synthetic, --train-num-samples, --epochs 1,
---device cpu on a CPU machine, --logs). One process, one thread (``--threads``).
+--device cpu on a CPU machine, --logs, and --precision fp32, ds_clip's default, unless the flags set one). One process, one thread (``--threads``).
 
 How a "step" is cut out of a trainer that owns its loop: a global optimizer-step post-hook
 (``torch.optim.optimizer.register_optimizer_step_post_hook``) fires once per optimizer step in both trainers
@@ -40,6 +40,10 @@ def _trainer_argv(trainer: str, user: list[str], steps: int, logs: str) -> list[
         "--epochs", "1", "--logs", logs, "--log-every-n-steps", "1", "--save-frequency", "0",
         "--zeroshot-frequency", "0", "--val-frequency", "0",
     ]  # fmt: skip
+    if "--precision" not in user:
+        # ds-clip-train's default precision is fp32; open_clip_train's is "amp" (fp16 autocast, which on a CPU
+        # without fp16 kernels costs many times an fp32 step): compare the same arithmetic.
+        extra += ["--precision", "fp32"]
     if not torch.cuda.is_available():
         extra += ["--device", "cpu"]
     return [*user, *extra]
@@ -57,7 +61,9 @@ def profile(trainer: str, user_argv: list[str], *, skip: int, threads: int, row_
     torch.set_num_threads(threads)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     prof = torch.profiler.profile(
-        activities=activities, schedule=schedule(wait=skip - 1, warmup=1, active=1, repeat=1), record_shapes=False
+        activities=activities,
+        schedule=schedule(wait=skip - 1, warmup=1, active=1, repeat=1),
+        record_shapes=False,
     )
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -115,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(own)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     table, data = profile(args.trainer, user, skip=args.skip, threads=args.threads, row_limit=args.row_limit)
-    print(f"\n=== {args.trainer} {' '.join(user)}: one optimizer step, {data['step_self_cpu_s']:.3f} s self CPU")
+    print(
+        f"\n=== {args.trainer} {' '.join(user)}: one optimizer step, {data['step_self_cpu_s']:.3f} s self CPU"
+    )
     print(table)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
