@@ -12,12 +12,11 @@ logging each needs (ds_clip: --max-steps, --log-every-n-steps 1; open_clip: --da
 --train-num-samples for exactly that many steps, --epochs 1, --log-every-n-steps 1, no saving or eval,
 --device cpu on a CPU machine, and --precision fp32, ds_clip's default, unless the flags set one). One process: ``python -m ds_clip.train`` and ``python -m open_clip_train.main``;
 ``--ranks R``: ``deepspeed --num_gpus R --module ds_clip.train`` and ``torchrun --nproc_per_node R`` of
-open_clip's main (gloo on the CPU).
-
-open_clip's DistributedDataParallel on the CPU: open_clip_train 3.3.0 wraps the model with
-``device_ids=[device]``, which torch refuses for a CPU module; so on a CPU machine (and only there) the
-torchrun side runs open_clip's main through ``--open-clip-cpu-ddp`` below, which passes ``device_ids=None``
-(what DDP wants for CPU modules) and changes nothing else.
+open_clip's main (gloo on the CPU). open_clip's side is ``open_clip_train.main.main(argv)`` called from this
+file (``--open-clip``), which first registers ds_clip's model configs with open_clip (so both build
+``ds-clip-tiny`` by name) and, on the CPU only, makes DistributedDataParallel take ``device_ids=None``:
+open_clip_train 3.3.0 passes ``device_ids=[device]``, which torch refuses for a CPU module (its only
+obstacle to multi-rank CPU training here); nothing else changes.
 
 Per-step time, from each trainer's own log line: ds_clip's ``data`` + ``step`` seconds (the loop iteration),
 open_clip's ``Batch (t)`` (the loop iteration, data included; a per-step value with --log-every-n-steps 1).
@@ -80,11 +79,9 @@ def open_clip_command(user: list[str], k: int, steps: int, ranks: int, logs: str
         own += ["--precision", "fp32"]
     if not _cuda():
         own += ["--device", "cpu"]
+    entry = [os.path.abspath(__file__), "--open-clip", "--"]
     if ranks == 1:
-        return [sys.executable, "-m", "open_clip_train.main", *user, *own]
-    entry = ["-m", "open_clip_train.main"]
-    if not _cuda():
-        entry = [os.path.abspath(__file__), "--open-clip-cpu-ddp", "--"]
+        return [sys.executable, *entry, *user, *own]
     return ["torchrun", "--standalone", "--nproc_per_node", str(ranks), *entry, *user, *own]
 
 
@@ -149,9 +146,12 @@ def run_one(trainer: str, cmd: list[str], steps: int, timeout_s: float) -> dict:
     }
 
 
-def open_clip_cpu_ddp(argv: list[str]) -> int:
-    """open_clip's main under torchrun on the CPU: DDP gets device_ids=None for the CPU module."""
+def open_clip_entry(argv: list[str]) -> int:
+    """open_clip_train's main(argv), with ds_clip's model configs (ds-clip-tiny) registered with open_clip,
+    and on the CPU, DDP given device_ids=None for the CPU module."""
     import torch
+
+    import ds_clip.model  # noqa: F401  (registers ds_clip's built-in model configs with open_clip)
 
     ddp = torch.nn.parallel.DistributedDataParallel
 
@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     user = argv[argv.index("--") + 1 :] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
-    if own[:1] == ["--open-clip-cpu-ddp"]:
-        return open_clip_cpu_ddp(user)
+    if own[:1] == ["--open-clip"]:
+        return open_clip_entry(user)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--k", type=int, nargs="+", default=[1, 8], help="--accum-freq values")
     p.add_argument("--steps", type=int, default=8, help="optimizer steps per run (medians of 2..steps)")
