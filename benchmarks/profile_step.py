@@ -10,10 +10,10 @@ Everything after ``--`` goes to the trainer unchanged, plus what both need to ru
 (ds_clip: --max-steps, --logs; open_clip: --dataset-type synthetic, --train-num-samples, --epochs 1,
 --device cpu on a CPU machine, --logs, and --precision fp32, ds_clip's default, unless the flags set one). One process, one thread (``--threads``).
 
-How a "step" is cut out of a trainer that owns its loop: a global optimizer-step post-hook
-(``torch.optim.optimizer.register_optimizer_step_post_hook``) fires once per optimizer step in both trainers
-(DeepSpeed calls the torch optimizer inside ``engine.step()``); it advances the profiler's schedule, so the
-active window is exactly one optimizer period (from the end of one optimizer step to the end of the next:
+How a "step" is cut out of a trainer that owns its loop: the end of every optimizer step (open_clip: a global
+optimizer-step post-hook, ``torch.optim.optimizer.register_optimizer_step_post_hook``; ds_clip: the end of
+``DeepSpeedEngine.step``, since ZeRO 1-3 call the torch optimizer once per parameter group) advances the
+profiler's schedule, so the active window is exactly one optimizer period (from the end of one optimizer step to the end of the next:
 forward/backward passes, gradient bookkeeping, the optimizer), after ``--skip`` untimed periods that pay the
 one-time costs. The table is torch.profiler's ``key_averages()`` sorted by self CPU time (CUDA time on a GPU).
 """
@@ -53,6 +53,35 @@ def _value(argv: list[str], flag: str, default: str) -> str:
     return argv[argv.index(flag) + 1] if flag in argv else default
 
 
+def _step_boundary(trainer: str, on_step):
+    """Call ``on_step`` at the end of every optimizer step; returns the undo.
+
+    open_clip: torch's global optimizer-step post-hook (its AdamW steps once per optimizer step). ds_clip: the
+    end of ``DeepSpeedEngine.step``, because ZeRO 1-3 call the torch optimizer once per parameter group (the
+    global hook would then cut the window between the two groups' updates, leaving the decay group's AdamW
+    and the parameter copy-back out of the table).
+    """
+    if trainer != "ds_clip":
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        return register_optimizer_step_post_hook(lambda *_: on_step()).remove
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    inner = DeepSpeedEngine.step
+
+    def step(self, *args, **kwargs):
+        out = inner(self, *args, **kwargs)
+        on_step()
+        return out
+
+    DeepSpeedEngine.step = step
+
+    def undo() -> None:
+        DeepSpeedEngine.step = inner
+
+    return undo
+
+
 def profile(trainer: str, user_argv: list[str], *, skip: int, threads: int, row_limit: int):
     """Run the trainer for skip + 1 optimizer steps (+1 to close the window) and profile one of them."""
     import torch
@@ -65,9 +94,7 @@ def profile(trainer: str, user_argv: list[str], *, skip: int, threads: int, row_
         schedule=schedule(wait=skip - 1, warmup=1, active=1, repeat=1),
         record_shapes=False,
     )
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    hook = register_optimizer_step_post_hook(lambda *_: prof.step())
+    remove_hook = _step_boundary(trainer, prof.step)
     logs = tempfile.mkdtemp(prefix="ds_clip_profile_")
     argv = _trainer_argv(trainer, user_argv, skip + 2, logs)
     prof.start()
@@ -82,7 +109,7 @@ def profile(trainer: str, user_argv: list[str], *, skip: int, threads: int, row_
             rc = main(argv)
     finally:
         prof.stop()
-        hook.remove()
+        remove_hook()
     if rc not in (None, 0):
         raise SystemExit(f"{trainer} exited with {rc}")
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
