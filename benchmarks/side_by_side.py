@@ -20,7 +20,9 @@ obstacle to multi-rank CPU training here); nothing else changes.
 
 Per-step time, from each trainer's own log line: ds_clip's ``data`` + ``step`` seconds (the loop iteration),
 open_clip's ``Batch (t)`` (the loop iteration, data included; a per-step value with --log-every-n-steps 1).
-Medians of steps 2..S (step 1 pays one-time costs). The two trainers alternate, which one goes first
+Medians of steps 2..S (step 1 pays one-time costs); also without the data wait each log reports (ds_clip's
+``data``, open_clip's ``Data (t)``), since the two loaders differ (default workers 1 vs 4; ds_clip's
+synthetic pairs are drawn shapes, open_clip's one blank image). The two trainers alternate, which one goes first
 alternates between repeats, and ``uptime``'s 1-minute load is recorded before each run: on a shared machine
 only ratios of neighbouring runs mean much. A ds_clip run is stopped after its last step line (its final
 checkpoint is not part of a step).
@@ -42,7 +44,7 @@ import time
 from pathlib import Path
 
 _DS_STEP = re.compile(r"^step (\d+)/(\d+) \|.*\| data ([0-9.]+)s \| step ([0-9.]+)s")
-_OC_STEP = re.compile(r"Train Epoch: \d+ \[\s*(\d+)/\d+ .*Batch \(t\): ([0-9.]+)")
+_OC_STEP = re.compile(r"Train Epoch: \d+ \[\s*(\d+)/\d+ .*Data \(t\): ([0-9.]+) Batch \(t\): ([0-9.]+)")
 
 
 def _value(argv: list[str], flag: str, default: str) -> str:
@@ -85,18 +87,19 @@ def open_clip_command(user: list[str], k: int, steps: int, ranks: int, logs: str
     return ["torchrun", "--standalone", "--nproc_per_node", str(ranks), *entry, *user, *own]
 
 
-def parse_steps(trainer: str, text: str) -> dict[int, float]:
-    """Step number -> seconds of that optimizer step, from the trainer's own log lines."""
-    out: dict[int, float] = {}
+def parse_steps(trainer: str, text: str) -> dict[int, tuple[float, float]]:
+    """Step number -> (seconds of that loop iteration, of it the seconds spent waiting for data), from the
+    trainer's own log lines (ds_clip: data + step; open_clip: Batch (t), which includes its Data (t))."""
+    out: dict[int, tuple[float, float]] = {}
     for line in text.splitlines():
         if trainer == "ds_clip":
             m = _DS_STEP.search(line)
             if m:
-                out[int(m.group(1))] = float(m.group(3)) + float(m.group(4))
+                out[int(m.group(1))] = (float(m.group(3)) + float(m.group(4)), float(m.group(3)))
         else:
             m = _OC_STEP.search(line)
             if m:
-                out[len(out) + 1] = float(m.group(2))
+                out[len(out) + 1] = (float(m.group(3)), float(m.group(2)))
     return out
 
 
@@ -135,12 +138,15 @@ def run_one(trainer: str, cmd: list[str], steps: int, timeout_s: float) -> dict:
         raise SystemExit(
             f"{trainer}: {len(per_step)} of {steps} step lines (exit {proc.returncode}):\n{tail}"
         )
-    timed = [per_step[i] for i in range(2, steps + 1)]
+    timed = range(2, steps + 1)
     return {
         "trainer": trainer,
         "cmd": shlex.join(cmd),
-        "steps_s": [per_step[i] for i in range(1, steps + 1)],
-        "median_s": statistics.median(timed),
+        "steps_s": [per_step[i][0] for i in range(1, steps + 1)],
+        "data_s": [per_step[i][1] for i in range(1, steps + 1)],
+        "median_s": statistics.median(per_step[i][0] for i in timed),
+        # the loop iteration without the wait for data (the loaders differ: worker count, synthetic images)
+        "median_compute_s": statistics.median(per_step[i][0] - per_step[i][1] for i in timed),
         "load1_before": before,
         "load1_after": load1(),
     }
@@ -198,13 +204,17 @@ def main(argv: list[str] | None = None) -> int:
                 r.update(k=k, rep=rep, ranks=args.ranks, argv=user, ds_clip_flags=extra)
                 runs.append(r)
                 print(
-                    f"[side_by_side] k={k} rep={rep} {trainer}: median {r['median_s']:.2f} s/step "
+                    f"[side_by_side] k={k} rep={rep} {trainer}: median {r['median_s']:.2f} s/step, "
+                    f"{r['median_compute_s']:.2f} without data wait "
                     f"(load {r['load1_before']:.1f} -> {r['load1_after']:.1f}) "
                     f"steps {' '.join(f'{s:.2f}' for s in r['steps_s'])}",
                     flush=True,
                 )
-    print("\n| k | ranks | ds-clip-train s/step | open_clip_train s/step | ratio | load (1 min) |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "\n| k | ranks | ds-clip-train s/step | open_clip_train s/step | ratio | ratio without data wait | "
+        "load (1 min) |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for rep in range(args.repeats):
         for k in args.k:
             ours = next(r for r in runs if r["k"] == k and r["rep"] == rep and r["trainer"] == "ds_clip")
@@ -212,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             loads = [ours["load1_before"], theirs["load1_before"]]
             print(
                 f"| {k} | {args.ranks} | {ours['median_s']:.2f} | {theirs['median_s']:.2f} | "
-                f"{ours['median_s'] / theirs['median_s']:.2f} | {min(loads):.1f}-{max(loads):.1f} |"
+                f"{ours['median_s'] / theirs['median_s']:.2f} | "
+                f"{ours['median_compute_s'] / theirs['median_compute_s']:.2f} | {min(loads):.1f}-{max(loads):.1f} |"
             )
     if args.json:
         old = json.loads(args.json.read_text()) if args.json.exists() else {"runs": []}
