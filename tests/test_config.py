@@ -614,3 +614,12 @@ def test_loss_tile_size_reaches_the_built_loss_and_refuses_zero():
     assert parse_settings(["--loss-tile-size", "3"]).loss.loss_tile_size == 3
     with pytest.raises(SettingsError, match="--loss-tile-size"):
         parse_settings(["--loss-tile-size", "0"])
+
+
+def test_loader_workers_prefetch_a_whole_step():
+    """Each loader worker may prepare ceil(k / workers) micro-batches ahead (at least DataLoader's 4), so the
+    workers fill a step's k micro-batches while the previous step computes; none without workers."""
+    from ds_clip.data.base import prefetch_factor
+
+    assert prefetch_factor(1, 1) == 4 and prefetch_factor(8, 1) == 8 and prefetch_factor(8, 4) == 4
+    assert prefetch_factor(32, 3) == 11 and prefetch_factor(8, 0) is None
