@@ -124,13 +124,7 @@ def run_one(trainer: str, cmd: list[str], steps: int, timeout_s: float) -> dict:
             if trainer == "ds_clip" and (m := _DS_STEP.search(line)) and int(m.group(1)) == steps:
                 break  # the last step is logged; the final checkpoint is not part of a step
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # this run's own process group (launcher and ranks)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        _end_group(proc)
     text = "".join(lines)
     per_step = parse_steps(trainer, text)
     if len(per_step) < steps:
@@ -150,6 +144,20 @@ def run_one(trainer: str, cmd: list[str], steps: int, timeout_s: float) -> dict:
         "load1_before": before,
         "load1_after": load1(),
     }
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """Stop this run's own process group (launcher and ranks) and wait until none of it is left, so the next
+    run starts on a quiet machine and the log folder can be removed (SIGKILL after 60 s)."""
+    deadline = time.monotonic() + 60
+    while True:
+        proc.poll()  # reap the launcher once it exits (a zombie would stay in the group)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL if time.monotonic() > deadline else signal.SIGTERM)
+        except ProcessLookupError:
+            break  # nothing of the group is left
+        time.sleep(0.5)
+    proc.wait()
 
 
 def open_clip_entry(argv: list[str]) -> int:
