@@ -86,7 +86,9 @@ class BenchSettings:
     """m, pairs per micro-batch per rank (fixed for every k)."""
     accum_freqs: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     world_sizes: list[int] = field(default_factory=lambda: [1])
-    zero_stages: list[int] = field(default_factory=lambda: [0])
+    zero_stages: list[int | None] = field(default_factory=lambda: [None])
+    """ZeRO stages, each its own engine; None: the preset ds-clip-train picks without --ds-config for that
+    world size and --coalesce-grad-reduction (ds_config.default_preset: ZeRO-0 on one rank, ZeRO-1 on more)."""
     coalesce: list[str] = field(default_factory=lambda: ["off"])
     """--coalesce-grad-reduction values, each its own engine: 'off', 'on' (ZeRO 1-3 only: DeepSpeed refuses
     ZeRO-0, which is then measured with 'off' alone, as the reference)."""
@@ -145,6 +147,8 @@ class Measurement:
     loss: float | None = None
     coalesce: str = "off"
     """--coalesce-grad-reduction of the engine ('on': one gradient reduction per step on ZeRO 1-3)."""
+    preset: str = ""
+    """The DeepSpeed preset the engine was built from, "(default)" when it is ds-clip-train's default choice."""
 
     @property
     def samples(self) -> int:
@@ -375,18 +379,34 @@ def run_engines(settings: BenchSettings, rep: int) -> list[Measurement]:
     out: list[Measurement] = []
     with count_loss_collectives():
         for model in settings.models:
-            for stage in settings.zero_stages:
+            for asked in settings.zero_stages:
                 for coalesce in settings.coalesce:
+                    stage, preset = engine_preset(asked, settings.precision, dist.get_world_size(), coalesce)
                     if coalesce == "on" and stage == 0:
                         continue  # DeepSpeed coalesces on ZeRO 1-3 only; ZeRO-0 reduces once per step anyway
-                    out += _run_one_engine(settings, model, stage, rep, coalesce)
+                    out += _run_one_engine(settings, model, stage, rep, coalesce, preset)
                     gc.collect()
     dist.barrier()
     return out
 
 
+def engine_preset(
+    stage: int | None, precision: str, world_size: int, coalesce: str = "off"
+) -> tuple[int, str]:
+    """(ZeRO stage, preset label) of one engine: an asked stage runs on the shipped zero<stage>_<precision>
+    preset; None on the preset ds-clip-train picks itself for this world size (labelled "(default)")."""
+    if stage is not None:
+        return stage, f"zero{stage}_{precision}"
+    from ds_clip.config import parse_settings
+    from ds_clip.ds_config import default_preset, load_preset
+
+    flags = ["--precision", precision, "--coalesce-grad-reduction", coalesce]
+    name, _ = default_preset(parse_settings(flags), world_size)
+    return int(load_preset(name)["zero_optimization"]["stage"]), f"{name} (default)"
+
+
 def _run_one_engine(
-    settings: BenchSettings, model_name: str, stage: int, rep: int, coalesce: str = "off"
+    settings: BenchSettings, model_name: str, stage: int, rep: int, coalesce: str = "off", preset: str = ""
 ) -> list[Measurement]:
     import torch
     import torch.distributed as dist
@@ -411,7 +431,8 @@ def _run_one_engine(
         coalesce=coalesce,
         seed=settings.seed,
     )
-    # The engine ds-clip-train builds (ds_clip.engine) from the shipped preset of this stage and precision,
+    # The engine ds-clip-train builds (ds_clip.engine) from the shipped preset of this stage and precision
+    # (train_argv names zero<stage>_<precision>, which is also the default preset where engine_preset chose it),
     # with open_clip's AdamW settings for ViTs.
     with tempfile.TemporaryDirectory() as preset_dir:
         train_settings = parse_settings(
@@ -550,6 +571,7 @@ def _run_one_engine(
             grad_reduction_passes=_reduction_passes(engine_ops, num_params),
             loss=res["loss"],
             coalesce=coalesce,
+            preset=preset or f"zero{stage}_{settings.precision}",
         )
 
     variants = [(ckpt, mode, k) for ckpt in settings.checkpointing_modes()
@@ -818,6 +840,7 @@ def _key(r: Measurement) -> tuple:
         r.model,
         r.world_size,
         r.zero_stage,
+        r.preset,
         r.coalesce,
         r.grad_checkpointing,
         r.impl,
@@ -842,6 +865,7 @@ def aggregate(rows: Sequence[Measurement]) -> list[dict[str, Any]]:
             "image_size": r0.image_size,
             "W": r0.world_size,
             "zero": r0.zero_stage,
+            "preset": r0.preset,
             "coalesce": r0.coalesce,
             "ckpt": r0.grad_checkpointing,
             "impl": r0.impl,
@@ -935,14 +959,14 @@ def markdown_tables(rows: Sequence[dict[str, Any]]) -> str:
         ),
     )
     parts.append(
-        "| model (params) | W | ZeRO | ckpt | step | k | N | best s/step | ms/sample best / median (max) | × plain | "
+        "| model (params) | W | ZeRO (preset) | ckpt | step | k | N | best s/step | ms/sample best / median (max) | × plain | "
         "compute × plain | theory | optimizer s | peak MiB | step transient MiB | × k=1 peak | cache |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for r in ours:
         n = r["W"] * r["k"] * r["m"]
         parts.append(
-            f"| {r['model']} ({r['params_m']}M) | {r['W']} | {r['zero']} | {'on' if r['ckpt'] else 'off'} | "
+            f"| {r['model']} ({r['params_m']}M) | {r['W']} | {_zero_label(r)} | {'on' if r['ckpt'] else 'off'} | "
             f"{_mode_label(r)} | {r['k']} | {n} | {r['step_s']:.2f} | {r['ms_per_sample']:.1f} / "
             f"{r['median_ms_per_sample']:.1f} (+{r['spread_pct']:.0f}%) | {_f(r.get('vs_plain'))} | {_f(r.get('compute_vs_plain'))} | "
             f"{_f(r.get('theory'))} | {_f(r['optimizer_s'])} | {r['peak_mib']:.0f} | "
@@ -1015,6 +1039,11 @@ def markdown_tables(rows: Sequence[dict[str, Any]]) -> str:
     if coalesced:
         text += "\n\n" + coalesced
     return text
+
+
+def _zero_label(r: dict[str, Any]) -> str:
+    """The ZeRO stage and the preset it came from (rows written before presets were recorded: the stage)."""
+    return f"{r['zero']} ({r['preset']})" if r.get("preset") else str(r["zero"])
 
 
 def _mode_label(r: dict[str, Any]) -> str:
@@ -1153,6 +1182,18 @@ def plot(rows: Sequence[dict[str, Any]], img_dir: Path) -> list[Path]:
 # --------------------------------------------------------------------------- CLI
 
 
+def _stage_arg(value: str) -> int | None:
+    """--zero-stages entries: "default" (ds-clip-train's own preset choice) or a stage number."""
+    if value == "default":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--zero-stages must be default, 0, 1, 2 or 3, got {value!r}"
+        ) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="benchmarks/bench_accum.py",
@@ -1165,7 +1206,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=d.micro_batch_size, help="m, per rank per micro-batch")
     p.add_argument("--k", type=int, nargs="+", default=d.accum_freqs, help="--accum-freq values")
     p.add_argument("--world-sizes", type=int, nargs="+", default=d.world_sizes, help="W, local ranks")
-    p.add_argument("--zero-stages", type=int, nargs="+", default=d.zero_stages)
+    p.add_argument("--zero-stages", type=_stage_arg, nargs="+", default=d.zero_stages, metavar="{default,0,1,2,3}",
+                   help="ZeRO stages, one engine each; default: the preset ds-clip-train picks for W")  # fmt: skip
     p.add_argument("--coalesce", nargs="+", default=d.coalesce, metavar="{off,on}",
                    help="--coalesce-grad-reduction values, one engine each (on: ZeRO 1-3 only)")  # fmt: skip
     p.add_argument("--grad-checkpointing", choices=["off", "on", "both"], default=d.grad_checkpointing)
@@ -1199,7 +1241,7 @@ def settings_from_args(a: argparse.Namespace) -> BenchSettings:
     positive("--threads", [a.threads])
     if a.warmup < 0:
         raise BenchError(f"--warmup must be >= 0, got {a.warmup}")
-    bad = [z for z in a.zero_stages if z not in (0, 1, 2, 3)]
+    bad = [z for z in a.zero_stages if z not in (None, 0, 1, 2, 3)]
     if bad:
         raise BenchError(f"--zero-stages must be 0, 1, 2 or 3, got {bad[0]}")
     bad_c = [c for c in a.coalesce if c not in ("off", "on")]

@@ -8,12 +8,12 @@ and open_clip's, run as users run them (their own entry points, their own defaul
 
 Everything after ``--`` goes to the trainer unchanged, plus what both need to run a short synthetic job here
 (ds_clip: --max-steps, --logs; open_clip: --dataset-type synthetic, --train-num-samples, --epochs 1,
---device cpu on a CPU machine, --logs). One process, one thread (``--threads``).
+--device cpu on a CPU machine, --logs, and --precision fp32, ds_clip's default, unless the flags set one). One process, one thread (``--threads``).
 
-How a "step" is cut out of a trainer that owns its loop: a global optimizer-step post-hook
-(``torch.optim.optimizer.register_optimizer_step_post_hook``) fires once per optimizer step in both trainers
-(DeepSpeed calls the torch optimizer inside ``engine.step()``); it advances the profiler's schedule, so the
-active window is exactly one optimizer period (from the end of one optimizer step to the end of the next:
+How a "step" is cut out of a trainer that owns its loop: the end of every optimizer step (open_clip: a global
+optimizer-step post-hook, ``torch.optim.optimizer.register_optimizer_step_post_hook``; ds_clip: the end of
+``DeepSpeedEngine.step``, since ZeRO 1-3 call the torch optimizer once per parameter group) advances the
+profiler's schedule, so the active window is exactly one optimizer period (from the end of one optimizer step to the end of the next:
 forward/backward passes, gradient bookkeeping, the optimizer), after ``--skip`` untimed periods that pay the
 one-time costs. The table is torch.profiler's ``key_averages()`` sorted by self CPU time (CUDA time on a GPU).
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -40,6 +41,10 @@ def _trainer_argv(trainer: str, user: list[str], steps: int, logs: str) -> list[
         "--epochs", "1", "--logs", logs, "--log-every-n-steps", "1", "--save-frequency", "0",
         "--zeroshot-frequency", "0", "--val-frequency", "0",
     ]  # fmt: skip
+    if "--precision" not in user:
+        # ds-clip-train's default precision is fp32; open_clip_train's is "amp" (fp16 autocast, which on a CPU
+        # without fp16 kernels costs many times an fp32 step): compare the same arithmetic.
+        extra += ["--precision", "fp32"]
     if not torch.cuda.is_available():
         extra += ["--device", "cpu"]
     return [*user, *extra]
@@ -47,6 +52,35 @@ def _trainer_argv(trainer: str, user: list[str], steps: int, logs: str) -> list[
 
 def _value(argv: list[str], flag: str, default: str) -> str:
     return argv[argv.index(flag) + 1] if flag in argv else default
+
+
+def _step_boundary(trainer: str, on_step):
+    """Call ``on_step`` at the end of every optimizer step; returns the undo.
+
+    open_clip: torch's global optimizer-step post-hook (its AdamW steps once per optimizer step). ds_clip: the
+    end of ``DeepSpeedEngine.step``, because ZeRO 1-3 call the torch optimizer once per parameter group (the
+    global hook would then cut the window between the two groups' updates, leaving the decay group's AdamW
+    and the parameter copy-back out of the table).
+    """
+    if trainer != "ds_clip":
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        return register_optimizer_step_post_hook(lambda *_: on_step()).remove
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    inner = DeepSpeedEngine.step
+
+    def step(self, *args, **kwargs):
+        out = inner(self, *args, **kwargs)
+        on_step()
+        return out
+
+    DeepSpeedEngine.step = step
+
+    def undo() -> None:
+        DeepSpeedEngine.step = inner
+
+    return undo
 
 
 def profile(trainer: str, user_argv: list[str], *, skip: int, threads: int, row_limit: int):
@@ -57,11 +91,11 @@ def profile(trainer: str, user_argv: list[str], *, skip: int, threads: int, row_
     torch.set_num_threads(threads)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     prof = torch.profiler.profile(
-        activities=activities, schedule=schedule(wait=skip - 1, warmup=1, active=1, repeat=1), record_shapes=False
+        activities=activities,
+        schedule=schedule(wait=skip - 1, warmup=1, active=1, repeat=1),
+        record_shapes=False,
     )
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    hook = register_optimizer_step_post_hook(lambda *_: prof.step())
+    remove_hook = _step_boundary(trainer, prof.step)
     logs = tempfile.mkdtemp(prefix="ds_clip_profile_")
     argv = _trainer_argv(trainer, user_argv, skip + 2, logs)
     prof.start()
@@ -76,7 +110,9 @@ def profile(trainer: str, user_argv: list[str], *, skip: int, threads: int, row_
             rc = main(argv)
     finally:
         prof.stop()
-        hook.remove()
+        remove_hook()
+        # ds-clip-train's final checkpoint of ViT-B-32 is 2.3 GB: nothing of the run folder is kept.
+        shutil.rmtree(logs, ignore_errors=True)
     if rc not in (None, 0):
         raise SystemExit(f"{trainer} exited with {rc}")
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
@@ -115,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(own)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     table, data = profile(args.trainer, user, skip=args.skip, threads=args.threads, row_limit=args.row_limit)
-    print(f"\n=== {args.trainer} {' '.join(user)}: one optimizer step, {data['step_self_cpu_s']:.3f} s self CPU")
+    print(
+        f"\n=== {args.trainer} {' '.join(user)}: one optimizer step, {data['step_self_cpu_s']:.3f} s self CPU"
+    )
     print(table)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -118,10 +118,40 @@ def _coalesce_blocker(
 _FP32_NAMES = ("fp32", "float32", "float", "torch.float32")
 
 
+def default_preset(s: TrainSettings, world_size: int | None) -> tuple[str, str]:
+    """The preset ds-clip-train runs without --ds-config, and why (one log line): where the default is decided.
+
+    ZeRO-1 (``zero1_<precision>``) partitions the optimizer state over the W ranks. One process has nothing to
+    partition it with, and ZeRO-1 there still costs a flattened copy of every gradient and of every updated
+    parameter per step (about 2x open_clip's step for ViT-B-32 at k=1 on a CPU, docs/benchmarks.md), so W = 1
+    defaults to ZeRO-0, unless a flag needs ZeRO: --zero-stage (then the ZeRO-1 preset's buckets with that
+    stage, as before), --coalesce-grad-reduction on (ZeRO 1-3 only) or --precision fp16 (refused on ZeRO-0).
+    ``world_size`` None (validation, before the process group): the multi-rank default, whose checks cover
+    ZeRO-0's.
+    """
+    p = s.dist.precision
+    if world_size != 1:
+        why = f"{world_size or 'W'} ranks: ZeRO-1 partitions the optimizer state over them"
+        return f"zero1_{p}", why
+    if s.dist.zero_stage is not None:
+        return f"zero1_{p}", f"one process, --zero-stage {s.dist.zero_stage} on this preset's ZeRO settings"
+    if s.dist.coalesce_grad_reduction == "on":
+        return f"zero1_{p}", "one process, but --coalesce-grad-reduction on needs ZeRO 1-3"
+    if p == "fp16":
+        return (
+            f"zero1_{p}",
+            "one process, but fp16 needs ZeRO 1-3 (DeepSpeed 0.19 gets ZeRO-0 fp16 updates wrong)",
+        )
+    return f"zero0_{p}", (
+        "one process: nothing to partition the optimizer state with, and ZeRO-1 would copy every gradient and "
+        "parameter once more per step (--zero-stage N or --ds-config NAME to choose)"
+    )
+
+
 def _resolve(s: TrainSettings, world_size: int | None) -> tuple[dict[str, Any], str | None]:
     """The resolved JSON, and why --coalesce-grad-reduction auto fell back to off (None otherwise)."""
     o, dist = s.optim, s.dist
-    preset = dist.ds_config or f"zero1_{dist.precision}"
+    preset = dist.ds_config or default_preset(s, world_size)[0]
     label = preset_label(preset)
     cfg = copy.deepcopy(load_preset(preset))
     m = o.batch_size
@@ -250,6 +280,7 @@ def _resolve(s: TrainSettings, world_size: int | None) -> tuple[dict[str, Any], 
             elif o.optimizer == "adamw" and key in (
                 "torch_adam",
                 "foreach",
+                "fused",
                 "fp32_optimizer_states",
                 "adam_w_mode",
             ):
@@ -262,6 +293,12 @@ def _resolve(s: TrainSettings, world_size: int | None) -> tuple[dict[str, Any], 
     # CPU, DeepSpeed's own CPU Adam is much faster, and torch_adam would take precedence over it.
     if not cpu_optimizer and o.optimizer == "adamw":
         params.setdefault("torch_adam", True)
+    # torch's AdamW defaults to its per-tensor loop on CPU tensors: six passes over the parameters, moments and
+    # gradients per step (2.5 s for ViT-B-32's 151M parameters on one core, more than its forward and backward
+    # at m=4). Its fused kernel (CPU and CUDA) runs the same AdamW update in one pass per tensor, 3x faster here;
+    # DeepSpeed hands "fused" to torch.optim.AdamW with the other params. A preset's "foreach" choice stands.
+    if params.get("torch_adam") and "foreach" not in params:
+        params.setdefault("fused", True)
     cfg["optimizer"] = {"type": ds_type, "params": params}
 
     # --- one gradient reduction per step (--coalesce-grad-reduction): decided here, with the preset. ---
@@ -352,9 +389,9 @@ def check_preset(s: TrainSettings) -> None:
     _resolve(s, world_size=None)
 
 
-def coalesce_fallback(s: TrainSettings) -> str | None:
+def coalesce_fallback(s: TrainSettings, world_size: int | None = None) -> str | None:
     """Why ``--coalesce-grad-reduction auto`` runs without coalescing here (for one log line), else None."""
-    return _resolve(s, world_size=None)[1]
+    return _resolve(s, world_size=world_size)[1]
 
 
 def resolve_ds_config(s: TrainSettings, world_size: int) -> dict[str, Any]:
@@ -444,6 +481,7 @@ __all__ = [
     "optimizer_block",
     "optimizer_blocker",
     "bn_sync_blocker",
+    "default_preset",
     "list_presets",
     "load_preset",
     "preset_label",

@@ -12,7 +12,13 @@ from typing import Any
 
 from ds_clip.caption import CaptionLoss, caption_loss_for
 from ds_clip.config import SettingsError, TrainSettings
-from ds_clip.ds_config import bn_sync_blocker, coalesce_fallback, optimizer_blocker, resolve_ds_config
+from ds_clip.ds_config import (
+    bn_sync_blocker,
+    coalesce_fallback,
+    default_preset,
+    optimizer_blocker,
+    resolve_ds_config,
+)
 from ds_clip.loss import ContrastiveLoss, LossSpec, resolve_impl
 from ds_clip.model import ModelBundle, Teacher, build_model, prepare_for_deepspeed
 from ds_clip.optim import format_groups, param_groups_for
@@ -128,7 +134,10 @@ def build_engine(
     groups, group_table = param_groups_for(bundle.model, o)
     schedule = schedule_for(o, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
     if rank == 0:
-        why = coalesce_fallback(s)
+        if s.dist.ds_config is None:
+            preset, reason = default_preset(s, world_size)
+            logger.info("DeepSpeed preset %s (the default; --ds-config to choose): %s", preset, reason)
+        why = coalesce_fallback(s, world_size)
         if why is not None:
             logger.info("--coalesce-grad-reduction auto: off here, %s", why)
         table = format_groups(group_table)

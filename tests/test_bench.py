@@ -58,6 +58,15 @@ def test_reduced_resolution_config_is_registered():
     assert bench.resolve_model("ds-clip-tiny", None) == "ds-clip-tiny"
 
 
+def test_default_engine_is_the_preset_ds_clip_train_picks():
+    """--zero-stages default (the default): the engine ds-clip-train builds without --ds-config for W ranks."""
+    assert bench.BenchSettings().zero_stages == [None]
+    assert bench.engine_preset(None, "fp32", 1) == (0, "zero0_fp32 (default)")
+    assert bench.engine_preset(None, "bf16", 2) == (1, "zero1_bf16 (default)")
+    assert bench.engine_preset(None, "fp32", 1, coalesce="on") == (1, "zero1_fp32 (default)")
+    assert bench.engine_preset(2, "fp32", 1) == (2, "zero2_fp32")
+
+
 def test_theory_matches_the_readme():
     assert bench.theory(1, False) == 1.0
     assert bench.theory(8, False) == pytest.approx((4 * 8 - 1) / (3 * 8))
@@ -79,6 +88,7 @@ def test_tiny_run_w1_measures_every_mode_and_reports(tmp_path, capsys):
     assert sorted((r.mode, r.accum_freq) for r in rows) == [("cached", 1), ("cached", 2), ("plain", 1)]
     for r in rows:
         assert r.world_size == 1 and r.zero_stage == 0 and r.step_s > 0 and r.peak_mib >= r.base_mib > 0
+        assert r.preset == "zero0_fp32 (default)"  # what ds-clip-train picks for one rank without --ds-config
         assert r.loss_collectives == {}  # one rank: the loss gathers nothing
         assert r.loss is not None and r.loss == r.loss  # finite-looking, not NaN
     by = {(r.mode, r.accum_freq): r for r in rows}

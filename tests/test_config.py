@@ -27,6 +27,8 @@ from ds_clip.config import (
 )
 from ds_clip.ds_config import (
     PRESET_DIR,
+    coalesce_fallback,
+    default_preset,
     list_presets,
     load_preset,
     resolve_ds_config,
@@ -77,7 +79,14 @@ def test_defaults_parse_and_resolve_to_zero1_fp32():
     assert cfg["gradient_clipping"] == 0.0
     assert cfg["optimizer"] == {
         "type": "AdamW",
-        "params": {"lr": 5e-4, "betas": [0.9, 0.98], "eps": 1e-6, "weight_decay": 0.2, "torch_adam": True},
+        "params": {
+            "lr": 5e-4,
+            "betas": [0.9, 0.98],
+            "eps": 1e-6,
+            "weight_decay": 0.2,
+            "torch_adam": True,
+            "fused": True,  # torch's one-pass AdamW kernel, not its per-tensor loop
+        },
     }
     assert cfg["zero_allow_untested_optimizer"] is True and cfg["wall_clock_breakdown"] is False
     assert cfg["steps_per_print"] >= 10**9
@@ -118,9 +127,34 @@ def test_cli_overrides_preset_and_preset_overrides_defaults():
         "eps": 1e-8,
         "weight_decay": 0.1,
         "torch_adam": True,
+        "fused": True,
     }
     # The default preset follows --precision.
     assert resolve_ds_config(parse_settings(["--precision", "bf16"]), 1)["bf16"]["enabled"] is True
+
+
+def test_default_preset_follows_the_world_size_and_explicit_choices_stand():
+    """Without --ds-config, one process trains on ZeRO-0 (nothing to partition the optimizer state with) and
+    several on ZeRO-1; --zero-stage, --ds-config, --coalesce-grad-reduction on and fp16 keep a ZeRO preset."""
+
+    def stage(argv: list[str], world: int) -> int:
+        return resolve_ds_config(parse_settings(argv), world)["zero_optimization"]["stage"]
+
+    assert stage([], 1) == 0 and stage(["--precision", "bf16"], 1) == 0
+    assert stage([], 2) == 1 and stage(["--precision", "bf16"], 4) == 1
+    preset, why = default_preset(parse_settings([]), 1)
+    assert preset == "zero0_fp32" and "one process" in why
+    assert default_preset(parse_settings([]), 2)[0] == "zero1_fp32"
+    assert stage(["--zero-stage", "1"], 1) == 1 and stage(["--zero-stage", "2"], 1) == 2
+    assert stage(["--ds-config", "zero1_fp32"], 1) == 1 and stage(["--ds-config", "zero3_fp32"], 1) == 3
+    assert stage(["--coalesce-grad-reduction", "on"], 1) == 1  # DeepSpeed coalesces on ZeRO 1-3 only
+    assert stage(["--precision", "fp16"], 1) == 1  # ZeRO-0 fp16 is refused
+    # The ZeRO-1 preset's buckets under an explicit --zero-stage, as before.
+    cfg = resolve_ds_config(parse_settings(["--zero-stage", "0"]), 1)
+    assert cfg["zero_optimization"] == {**load_preset("zero1_fp32")["zero_optimization"], "stage": 0}
+    # auto finds no ZeRO optimizer to coalesce on one default process, and says so.
+    assert "ZeRO stage 0" in coalesce_fallback(parse_settings(["--coalesce-grad-reduction", "auto"]), 1)
+    assert coalesce_fallback(parse_settings(["--coalesce-grad-reduction", "auto"]), 2) is None
 
 
 def test_resolve_does_not_mutate_the_preset_and_is_repeatable():
@@ -582,3 +616,12 @@ def test_loss_tile_size_reaches_the_built_loss_and_refuses_zero():
     assert parse_settings(["--loss-tile-size", "3"]).loss.loss_tile_size == 3
     with pytest.raises(SettingsError, match="--loss-tile-size"):
         parse_settings(["--loss-tile-size", "0"])
+
+
+def test_loader_workers_prefetch_a_whole_step():
+    """Each loader worker may prepare ceil(k / workers) micro-batches ahead (at least DataLoader's 4), so the
+    workers fill a step's k micro-batches while the previous step computes; none without workers."""
+    from ds_clip.data.base import prefetch_factor
+
+    assert prefetch_factor(1, 1) == 4 and prefetch_factor(8, 1) == 8 and prefetch_factor(8, 4) == 4
+    assert prefetch_factor(32, 3) == 11 and prefetch_factor(8, 0) is None

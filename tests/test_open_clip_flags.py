@@ -144,7 +144,14 @@ def test_opt_builds_deepspeeds_optimizer_block():
 
     assert block() == {
         "type": "AdamW",
-        "params": {"lr": 5e-4, "weight_decay": 0.2, "betas": [0.9, 0.98], "eps": 1e-6, "torch_adam": True},
+        "params": {
+            "lr": 5e-4,
+            "weight_decay": 0.2,
+            "betas": [0.9, 0.98],
+            "eps": 1e-6,
+            "torch_adam": True,
+            "fused": True,
+        },
     }
     assert block("--opt", "lamb") == {
         "type": "Lamb", "params": {"lr": 5e-4, "weight_decay": 0.2, "betas": [0.9, 0.98], "eps": 1e-6}

@@ -46,6 +46,16 @@ class StepBatch:
     """0-based index of this optimizer step within its epoch."""
 
 
+def prefetch_factor(accum_freq: int, workers: int) -> int | None:
+    """Micro-batches each DataLoader worker may prepare ahead: enough for the workers to fill a whole step's k
+    while the previous step computes (the step takes its k micro-batches at once; with fewer in the buffer
+    it waits for the rest, e.g. 4 of 8 with one worker at k = 8), and at least DataLoader's usual 4.
+    Host memory: up to k more micro-batches of inputs. None without workers (DataLoader's rule)."""
+    if workers <= 0:
+        return None
+    return max(4, -(-accum_freq // workers))
+
+
 def loader_generator(*parts: object) -> torch.Generator:
     """A generator for a DataLoader's worker base seed, seeded from `parts`.
 

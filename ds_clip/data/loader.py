@@ -40,6 +40,7 @@ from ds_clip.data.base import (
     _Geometry,
     check_data_settings,
     loader_generator,
+    prefetch_factor,
 )
 from ds_clip.data.synthetic import SyntheticCaptions
 from ds_clip.data.table import CsvPairs, Report, check_image_paths, read_table
@@ -106,7 +107,7 @@ class _MapTrainData(TrainData):
             # Page-locked batches let the step copy them to the GPU with non_blocking=True.
             pin_memory=torch.cuda.is_available(),
             persistent_workers=False,
-            prefetch_factor=4 if self.workers > 0 else None,
+            prefetch_factor=prefetch_factor(g.accum_freq, self.workers),
             generator=loader_generator(self.seed, epoch, g.rank, start_step),
         )
         ids = g.micro_batch_ids()

@@ -45,7 +45,15 @@ from PIL import Image
 from webdataset.gopen import gopen
 
 from ds_clip.data.augment import SeededTransform
-from ds_clip.data.base import DataError, DataSettings, StepBatch, TrainData, _Geometry, loader_generator
+from ds_clip.data.base import (
+    DataError,
+    DataSettings,
+    StepBatch,
+    TrainData,
+    _Geometry,
+    loader_generator,
+    prefetch_factor,
+)
 from ds_clip.urls import ShardPatternError, expand_shards
 
 logger = logging.getLogger("ds_clip.data")
@@ -556,7 +564,7 @@ class WebDatasetTrainData(TrainData):
             # Page-locked batches let the step copy them to the GPU with non_blocking=True.
             pin_memory=torch.cuda.is_available(),
             persistent_workers=False,
-            prefetch_factor=4 if self.workers > 0 else None,
+            prefetch_factor=prefetch_factor(self.geometry.accum_freq, self.workers),
             generator=loader_generator(
                 self.settings.seed, plan.epoch, self.geometry.rank, first_worker, plan.raw_skip, plan.count
             ),
