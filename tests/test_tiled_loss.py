@@ -326,17 +326,24 @@ def test_bad_input_is_a_clear_error(kwargs: dict, message: str) -> None:
         clip_loss_tiled(**args)
 
 
-# Runs in a fresh interpreter so that its peak RSS (ru_maxrss) belongs to these losses alone.
+# Runs in a fresh interpreter so that its peak RSS (VmHWM) belongs to these losses alone.
 _MEMORY_PROBE = textwrap.dedent(
     """
-    import json, resource, sys
+    import json, sys
     import torch
     from open_clip.loss import ClipLoss
     from ds_clip.tiled_loss import clip_loss_tiled, distill_clip_loss_tiled, siglip_loss_chunked
     torch.set_num_threads(1)
 
-    def max_rss_bytes():
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    def status_bytes(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+    def reset_peak():
+        # Linux: "5" resets this process's peak RSS (VmHWM) to its current RSS, so a peak reached earlier
+        # (an import that allocates and frees more than the matrix) cannot hide what the next case does.
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
 
     def cases(n, d, tile):
         g = torch.Generator().manual_seed(0)
@@ -363,9 +370,10 @@ _MEMORY_PROBE = textwrap.dedent(
         fn().backward()
     result = {}
     for name, fn in cases(n, d, tile).items():
-        before = max_rss_bytes()
+        reset_peak()
+        before = status_bytes("VmRSS")
         fn().backward()
-        result[name] = max_rss_bytes() - before
+        result[name] = status_bytes("VmHWM") - before
     print(json.dumps(result))
     """
 )
@@ -377,8 +385,8 @@ def test_memory_is_not_quadratic() -> None:
 
     How: a fresh subprocess (so nothing else of this test session inflates its memory) warms up,
     then runs each loss at N = 6144, d = 16, tile 512, and reports the growth of its peak resident
-    set size (``ru_maxrss``: the kernel's high-water mark of real pages, so it sees every allocation
-    torch makes, unlike tracemalloc). One N x N fp32 matrix is 144 MiB; the tiled losses need about
+    set size (``VmHWM``, reset before each case: the kernel's high-water mark of real pages, so it sees
+    every allocation torch makes, unlike tracemalloc). One N x N fp32 matrix is 144 MiB; the tiled losses need about
     three 1 MiB blocks plus O(N d) vectors, so the bound of 1/8 of the matrix (18 MiB) leaves room for
     allocator noise and still fails loudly if anything quadratic is materialised. Dense open_clip runs
     last as a positive control: the same probe must see at least one full N x N matrix there,

@@ -190,12 +190,13 @@ def test_console_script_help_and_default_preset_train(fresh):
     assert "--accum-freq" in helped.stdout and "--ds-config" in helped.stdout
     assert not (bin_dir / "ds-clip-bench").exists()
 
-    # No --ds-config: the default preset (zero1_fp32), which the wheel used to lack.
+    # No --ds-config, one process: the default preset (zero0_fp32 alone, zero1_fp32 with more ranks; the
+    # wheel once lacked it).
     logs = fresh["cwd"] / "logs"
     proc = _run([bin_dir / "ds-clip-train", "--model", fresh["model"], "--logs", logs, "--name", "default",
                  *TRAIN_ARGS], cwd=fresh["cwd"], env=fresh["env"])  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    _check_run(logs / "default", "zero1_fp32")
+    _check_run(logs / "default", "zero0_fp32")
 
 
 def _check_run(run_dir: Path, preset: str) -> None:
