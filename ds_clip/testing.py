@@ -383,6 +383,12 @@ def _group_entry(rank: int, world_size: int, port: int, fn: Callable, args: tupl
     from ds_clip.distributed import init_distributed
 
     init_distributed()
+    # Everything imported so far (torch, DeepSpeed, open_clip: millions of objects) lives as long as the
+    # process: move it out of the collector's way, so the full collections that many engine builds trigger
+    # (DeepSpeed's ZeRO-3 defragment calls gc.collect()) scan only what the runs allocate.
+    import gc
+
+    gc.freeze()
     result = fn(*args)
     if rank == 0:
         torch.save(result, os.path.join(out_dir, "result.pt"))
