@@ -18,6 +18,14 @@ class UserError(ValueError):
     exit_code = 2
 
 
+class SettingsError(UserError):
+    """Bad settings: a flag, a preset or a JSON key. The message is one line naming it.
+
+    The entry point prints ``ds-clip-train: error: <message>`` and exits with status 2, like argparse. Raised by
+    ds_clip.config (flags), ds_clip.presets and ds_clip.ds_config (the DeepSpeed JSON); both re-export it.
+    """
+
+
 class RunError(RuntimeError):
     """The run failed; the message says how to continue. Exit status 1."""
 

@@ -1,4 +1,4 @@
-"""The DeepSpeed presets shipped with ds_clip (ds_configs/*.json), and the error every bad setting raises.
+"""The DeepSpeed presets shipped with ds_clip (ds_configs/*.json) and the precision and optimizer names.
 
     load_preset("zero2_bf16")            # a shipped preset, by name
     load_preset("path/to/mine.json")     # a JSON of the user's own
@@ -14,20 +14,12 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from ds_clip.errors import UserError
+from ds_clip.errors import SettingsError
 
 # The presets live once in git, in the repo's top-level ds_configs/. ds_clip/ds_configs is a symlink to it, so
 # the editable checkout reads them in place, and setuptools copies the files it points to into the wheel as
 # package data (pyproject.toml): an installed ds_clip finds them inside the package, no checkout needed.
 PRESET_DIR = files("ds_clip") / "ds_configs"
-
-
-class SettingsError(UserError):
-    """Bad user input. The message is one line naming the flag (or file, or JSON key) at fault.
-
-    The entry point prints `ds-clip-train: error: <message>` and exits with status 2, like argparse.
-    Defined here, below both ds_clip.config and ds_clip.ds_config, which raise it (config re-exports it).
-    """
 
 
 # What the engine runs (the presets' precision sections), and open_clip_train's --precision names mapped onto
