@@ -1,0 +1,142 @@
+"""The command line of ds-clip-train: one flag per settings field (`add_flags`, `build_parser`), parsed into
+validated settings (`parse_settings`).
+
+Precedence: command-line flag > DeepSpeed preset (`--ds-config`) > the fields' defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import typing
+from collections.abc import Iterable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from ds_clip.config.answers import ANSWERED, Answered
+from ds_clip.config.fields import LOCAL_DIR_PREFIX
+from ds_clip.config.flags import Flag, base_type, flag_named, flags
+from ds_clip.config.sections import TrainSettings
+from ds_clip.config.validation import validate
+from ds_clip.errors import SettingsError
+from ds_clip.presets import deepspeed_precision, preset_precision
+
+
+def _optional(kind: type):
+    def parse(text: str):
+        return None if text.lower() == "none" else kind(text)
+
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
+    return parse
+
+
+def _comma_list(text: str) -> list[str]:
+    return [r.strip() for r in text.split(",") if r.strip()]
+
+
+def add_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    names: Iterable[str],
+    **overrides: dict[str, Any],
+) -> None:
+    """Add the flags of fields `names` to `parser`; `overrides[name]` changes add_argument keywords
+    (ds-clip-eval: `batch_size={"default": 64}`, `val_data={"required": True}`)."""
+    for name in names:
+        f = flag_named(name)
+        m = f.meta
+        kw: dict[str, Any] = {"dest": f.name}
+        if f.is_switch:
+            kw["action"] = "store_true"
+        else:
+            base = base_type(f.type)
+            if m["nargs"]:  # several words, each of the list's item type (open_clip's nargs flags)
+                kw["nargs"] = m["nargs"]
+                kw["type"] = typing.get_args(base)[0]
+            elif typing.get_origin(f.type) is list:
+                kw["type"] = _comma_list
+            elif base in (int, float):  # an optional number also takes "none"
+                kw["type"] = _optional(base) if type(None) in typing.get_args(f.type) else base
+            kw["default"] = (
+                None if m["derived"] else (list(f.default) if isinstance(f.default, list) else f.default)
+            )
+            if m["choices"]:
+                kw["choices"] = m["choices"]
+            if m["metavar"]:
+                kw["metavar"] = m["metavar"]
+        kw.update(overrides.get(name, {}))
+        shown = str(kw["default"]) if "default" in overrides.get(name, {}) else f.shown_default()
+        kw["help"] = argparse.SUPPRESS if m["hidden"] else _help(f, None if kw.get("required") else shown)
+        parser.add_argument(*f.options, **kw)
+
+
+def _help(f: Flag, shown_default: str | None) -> str:
+    """The --help line: the field's docstring, then its unit and default (none shown for a required flag)."""
+    notes = [f"unit: {f.meta['unit']}"] if f.meta["unit"] else []
+    notes += [] if f.is_switch or shown_default is None else [f"default: {shown_default}"]
+    return (f.doc + (f" ({'; '.join(notes)})" if notes else "")).replace("%", "%%")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `ds-clip-train` / `python -m ds_clip.train`: one flag per settings field."""
+    p = argparse.ArgumentParser(
+        prog="ds-clip-train",
+        description="Train CLIP/SigLIP with DeepSpeed and exact cached-feature gradient accumulation: "
+        "one optimizer step = accum-freq micro-batches of batch-size pairs on every rank. "
+        "Steps are optimizer steps; pairs are image-text samples.",
+    )
+    for section, cls in TrainSettings.section_types().items():
+        group = p.add_argument_group(section, (cls.__doc__ or "").split(": ", 1)[-1])
+        add_flags(group, [f.name for f in flags() if f.section == section])
+    group = p.add_argument_group(
+        "open_clip flags ds_clip answers",
+        "open_clip_train's flags with no ds_clip counterpart: exit 2 saying why",
+    )
+    for option, (takes_value, why) in ANSWERED.items():
+        group.add_argument(
+            option, action=Answered, nargs="?" if takes_value else 0, dest=argparse.SUPPRESS,
+            default=argparse.SUPPRESS, help=why.replace("%", "%%"),
+        )  # fmt: skip
+    return p
+
+
+def parse_settings(argv: list[str] | None = None) -> TrainSettings:
+    """Parse the command line (sys.argv[1:] when None), fill derived defaults, validate.
+
+    Raises SettingsError for bad values; argparse itself exits 2 on malformed flags.
+    """
+    values: dict[str, Any] = vars(build_parser().parse_args(argv))
+    if values["dataset_type"] in (None, "auto"):  # a .csv/.tsv file is csv, other data shards, none synthetic
+        values["dataset_type"] = _derived_dataset_type(values["train_data"])
+    if values["precision"] is None:
+        # CLI > preset > default: a preset named for its precision (zero2_bf16) sets --precision.
+        values["precision"] = preset_precision(values["ds_config"]) if values["ds_config"] else "fp32"
+    values["precision"] = deepspeed_precision(values["precision"])  # open_clip's names -> DeepSpeed's
+    if values["delete_previous_checkpoint"] and values["keep_checkpoints"] is None:
+        values["keep_checkpoints"] = 1  # open_clip's flag for --keep-checkpoints 1
+    s = TrainSettings.of(**values)
+    if s.logging.name is None:
+        # An automatic name is new every run, so "latest" would silently start from scratch.
+        if s.checkpoint.resume == "latest":
+            raise SettingsError("--resume latest needs --name of the run to continue")
+        s.logging.name = default_run_name(s)
+    validate(s)
+    return s
+
+
+def default_run_name(s: TrainSettings, now: datetime | None = None) -> str:
+    """ "YYYY_mm_dd-HH_MM_SS-model_<model>-m_<m>-k_<k>", with characters unsafe in a folder name replaced."""
+    stamp = (now or datetime.now()).strftime("%Y_%m_%d-%H_%M_%S")
+    model = s.model.model
+    if model.startswith(LOCAL_DIR_PREFIX):
+        model = Path(model[len(LOCAL_DIR_PREFIX) :]).name or "local"
+    name = f"{stamp}-model_{model}-m_{s.optim.batch_size}-k_{s.optim.accum_freq}"
+    return re.sub(r"[^A-Za-z0-9_.=+-]", "-", name)
+
+
+def _derived_dataset_type(train_data: str | None) -> str:
+    """--dataset-type when not given: synthetic without --train-data, csv for a .csv/.tsv file (open_clip's
+    "auto" looks at the same extension), else webdataset."""
+    if not train_data:
+        return "synthetic"
+    return "csv" if train_data.rsplit(".", 1)[-1].lower() in ("csv", "tsv") else "webdataset"

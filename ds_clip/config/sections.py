@@ -1,0 +1,513 @@
+"""The typed settings tree: one dataclass per section, each field one flag (its type, default and docstring
+make the flag, its --help line and its row in docs/configuration.md), and `TrainSettings`, the whole tree.
+
+Builders take the section they read (`ModelSettings` for the model, `DataSettings` for the data, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from ds_clip.config.fields import (
+    DATASET_TYPE_CHOICES,
+    DEFAULT_SYNTHETIC_SAMPLES,
+    IMAGE_INTERPOLATIONS,
+    IMAGE_RESIZE_MODES,
+    LOSS_IMPLS,
+    LR_SCHEDULERS,
+    opt,
+)
+from ds_clip.presets import PRECISION_NAMES
+
+
+@dataclass
+class ModelSettings:
+    """model: which open_clip model is trained, from which weights."""
+
+    model: str = opt(
+        "ds-clip-tiny", metavar="NAME", open_clip="differs: adds the built-in tiny models; default RN50 there"
+    )
+    """"ds-clip-tiny", "ds-clip-tiny-siglip" (built in, no download), an open_clip model name, or
+    "local-dir:PATH" (a folder holding open_clip_config.json and, optionally, weights)."""
+    pretrained: str | None = opt(
+        None, metavar="PATH", open_clip="differs: local files and folders only; open_clip also downloads tags"
+    )
+    """Local weights file or folder (an export) for a named model. URLs and hub tags are refused (no
+    downloads); not with local-dir: (put the weights in that folder)."""
+    grad_checkpointing: bool = opt(False)
+    """Recompute tower activations in backward (open_clip's set_grad_checkpointing): less memory, more
+    compute."""
+    torchcompile: bool = opt(
+        False,
+        open_clip="differs: through DeepSpeed's engine.compile, random ops as in eager mode, not on ZeRO-3",
+    )
+    """torch.compile the model (DeepSpeed's engine.compile, inductor). Dropout and patch dropout draw the
+    numbers eager mode draws, so a compiled run trains as the uncompiled one does (to float rounding). The
+    first steps compile (minutes on a CPU); ZeRO 0-2."""
+    lock_image: bool = opt(False)
+    """Lock the image tower (LiT): its parameters get no gradient, no optimizer state and never change
+    (open_clip's lock_image_tower). Fully locked, it is not recomputed in the cached step."""
+    lock_image_unlocked_groups: int = opt(0, metavar="N", unit="layer groups")
+    """With --lock-image: leave the last N layer groups of the image tower trainable (open_clip's groups:
+    for a ViT the stem, each block, the last block with ln_post, the projection)."""
+    lock_image_freeze_bn_stats: bool = opt(False)
+    """With --lock-image: freeze BatchNorm running statistics of the locked layers (ResNet/timm towers)."""
+    lock_text: bool = opt(False)
+    """Lock the text tower: its parameters get no gradient, no optimizer state and never change (open_clip's
+    lock_text_tower). Fully locked, it is not recomputed in the cached step."""
+    lock_text_unlocked_layers: int = opt(0, metavar="N", unit="layer groups")
+    """With --lock-text: leave the last N layer groups of the text tower trainable (open_clip's groups: the
+    embeddings, each block, the last block with ln_final, the projection)."""
+    lock_text_freeze_layer_norm: bool = opt(
+        False,
+        open_clip="differs: open_clip stops with an AssertionError without it for its own text towers; "
+        "ds_clip exits 2 naming the flag",
+    )
+    """With --lock-text: keep LayerNorm of the locked layers frozen too. open_clip's own text towers always
+    freeze it and need this flag; Hugging Face text towers leave LayerNorm trainable without it."""
+    force_patch_dropout: float | None = opt(None, metavar="P", unit="fraction of patches")
+    """Set the image tower's patch dropout (FLIP) to P in [0, 1), e.g. 0 to fine-tune without it;
+    none: the model config's."""
+    force_image_size: list[int] | None = opt(None, metavar="PX", unit="pixels", nargs="+")
+    """Image side (or height width) of the model and of its transforms (synthetic data renders at it);
+    none: the model config's."""
+    image_mean: list[float] | None = opt(None, metavar="MEAN", nargs="+")
+    """Per-channel mean the transforms normalise with (1 or 3 values); none: the model's."""
+    image_std: list[float] | None = opt(None, metavar="STD", nargs="+")
+    """Per-channel standard deviation the transforms normalise with (1 or 3 values, > 0); none: the
+    model's."""
+    image_interpolation: str | None = opt(None, choices=IMAGE_INTERPOLATIONS)
+    """Resize interpolation of the transforms ("random": a random one per training image); none: the
+    model's."""
+    image_resize_mode: str | None = opt(None, choices=IMAGE_RESIZE_MODES)
+    """Resize (and crop) mode of the evaluation transforms: "shortest" side to the image size then centre
+    crop, "longest" side then pad, "squash" (no crop); none: the model's. Training crops are unchanged."""
+    use_bn_sync: bool = opt(False, open_clip="differs: refused on the CPU (torch's SyncBatchNorm needs GPUs)")
+    """BatchNorm towers (open_clip's ResNets): normalise with the statistics of the micro-batch on all ranks
+    (torch's SyncBatchNorm, m x W samples) instead of each rank's m. GPUs only: SyncBatchNorm refuses CPU
+    tensors."""
+    force_quick_gelu: bool = opt(False)
+    """Build the model with QuickGELU activations (as OpenAI's weights were trained)."""
+    force_custom_text: bool = opt(False)
+    """Build the model as open_clip's CustomTextCLIP (the text tower in its own "text" module)."""
+    force_context_length: int | None = opt(None, metavar="TOKENS", unit="tokens")
+    """Text context length of the model and its tokenizer; none: the model config's."""
+    aug_cfg: list[str] = opt(
+        default_factory=list, metavar="KEY=VALUE", nargs="*", open_clip="same (stored as its KEY=VALUE words)"
+    )
+    """Training augmentation as open_clip's AugmentationCfg, e.g. scale='(0.5,1.0)' use_timm=True
+    color_jitter=0.4 (values read as Python literals, else strings). Seeded per (seed, epoch, sample)."""
+    distill_model: str | None = opt(
+        None,
+        metavar="NAME",
+        open_clip="differs: works with --accum-freq > 1 (open_clip asserts k = 1); --distill-pretrained "
+        "optional for local-dir:",
+    )
+    """Distil from this frozen teacher (any name --model accepts, local-dir: included): the loss becomes
+    open_clip's DistillClipLoss over all N pairs. The teacher must read the student's images and tokens
+    (same image size, mean/std, tokenizer) and hold trained weights; it runs in eval mode, in the run's
+    precision, outside the optimizer and the checkpoints."""
+    distill_pretrained: str | None = opt(
+        None, metavar="PATH", open_clip="differs: local files and folders only; open_clip also downloads tags"
+    )
+    """Local weights file or folder of the --distill-model teacher (as --pretrained); needed for a named
+    teacher, not with local-dir: (its folder holds the weights)."""
+
+
+@dataclass
+class DataSettings:
+    """data: the training pairs (ds_clip.data.build_train_data reads this section as it is)."""
+
+    train_data: str | None = opt(None, metavar="PATTERN", open_clip="differs: globs are expanded too")
+    """Webdataset shards: brace patterns ("shards/{00000..00127}.tar"), globs, local paths or file:PATH,
+    pipe: commands and URLs, several sources joined by "::". Local sources must exist. With
+    --dataset-type csv: one CSV/TSV file of image paths and captions."""
+    train_data_upsampling_factors: str | None = opt(
+        None,
+        metavar="F::F...",
+        open_clip="differs: a factor of 0 is refused (open_clip never draws that source)",
+    )
+    """One weight per "::"-joined --train-data source (e.g. 1::2::0.5), with --dataset-resampled: each shard
+    of source i is drawn with weight F_i (so a source's share also grows with its shard count)."""
+    dataset_type: str = opt(
+        "synthetic",
+        choices=DATASET_TYPE_CHOICES,
+        derived=True,
+        default_text="auto: synthetic without --train-data; with it csv for a .csv/.tsv file, else webdataset",
+        open_clip="differs: auto also picks synthetic without --train-data; synthetic renders ds_clip's "
+        "captioned shapes",
+    )
+    """"synthetic" (rendered pairs, no files), "webdataset" (tar shards), "csv" (a CSV/TSV file of image
+    paths and captions, open_clip's CsvDataset columns) or "auto" (as the default)."""
+    train_num_samples: int | None = opt(
+        None,
+        metavar="N",
+        unit="pairs",
+        default_text=f"{DEFAULT_SYNTHETIC_SAMPLES} for synthetic data, the shards' size for webdataset",
+    )
+    """Training pairs per epoch. Needed for resampled webdataset and shards without a size file; in
+    exact-epoch webdataset mode an optional cap."""
+    dataset_resampled: bool = opt(False)
+    """Draw shards with replacement (seeded per epoch and rank); an epoch is then --train-num-samples
+    pairs. Without it every sample is seen exactly once per epoch."""
+    image_key: str = opt("jpg;jpeg;png;webp", metavar="KEYS", open_clip="ds_clip only")
+    """Webdataset member extensions tried in order for the image, ";"-separated."""
+    caption_key: str = opt("txt", metavar="KEYS", open_clip="ds_clip only")
+    """Webdataset member extensions tried in order for the caption, ";"-separated."""
+    workers: int = opt(1, metavar="N", unit="processes", open_clip="differs: default 4 there")
+    """Data-loader worker processes per rank (0: load in the training process)."""
+    seed: int = opt(0, metavar="N")
+    """Random seed of the run: model initialisation, each micro-batch's RNG, the synthetic pairs, the
+    shard order, the sample shuffle and each sample's augmentation. Each rank derives its own."""
+    synthetic_image_size: int | None = opt(
+        None, metavar="PX", unit="pixels", default_text="the model's image size", open_clip="ds_clip only"
+    )
+    """Side at which synthetic images are rendered (the model's preprocess then resizes); 64 when the
+    data is built without a model."""
+    shuffle_buffer: int = opt(1000, metavar="N", unit="samples", open_clip="ds_clip only")
+    """Undecoded webdataset samples each worker shuffles over; 0 or 1: no sample shuffle."""
+    csv_separator: str = opt(
+        "\t",
+        metavar="CHAR",
+        default_text="tab",
+        open_clip="differs: one character (pandas also takes a regex)",
+    )
+    """Column separator of the --dataset-type csv file: one character ("," for CSV), or \\t for a tab."""
+    csv_img_key: str = opt("filepath", metavar="COLUMN", open_clip="same")
+    """Column of the --dataset-type csv file that holds the image paths (relative ones are relative to the
+    working directory of the training processes, as in open_clip)."""
+    csv_caption_key: str = opt("title", metavar="COLUMN", open_clip="same")
+    """Column of the --dataset-type csv file that holds the captions."""
+
+
+@dataclass
+class OptimSettings:
+    """optim: batch sizes, length of the run, AdamW (run by DeepSpeed), per-tower LRs and the LR schedule."""
+
+    batch_size: int = opt(8, metavar="M", unit="pairs", open_clip="differs: default 64 there")
+    """Pairs per rank per forward pass: the micro-batch m."""
+    accum_freq: int = opt(1, metavar="K", unit="micro-batches")
+    """k: micro-batches per optimizer step; the loss sees all N = k*m*W pairs at once (exact cached
+    features), so one step moves the model as one process would on the whole N-pair batch."""
+    epochs: int = opt(1, metavar="N", unit="epochs", open_clip="differs: default 32 there")
+    """Passes over the training data; --max-steps, when set, stops earlier."""
+    max_steps: int | None = opt(None, metavar="STEPS", unit="steps", open_clip="ds_clip only")
+    """Stop after this many optimizer steps; none: run all epochs."""
+    lr: float = opt(5e-4, metavar="LR", open_clip="differs: default from the model there (5e-4 for ViTs)")
+    """Peak learning rate, reached after warmup, then --lr-scheduler (cosine decay to 0 by default); the
+    image and text towers' default (--visual-lr, --text-lr)."""
+    wd: float = opt(0.2, metavar="WD")
+    """AdamW weight decay (decoupled; not applied to gains, biases and logit_scale)."""
+    warmup: int = opt(0, metavar="STEPS", unit="steps", open_clip="differs: default 10000 there")
+    """Linear learning-rate warmup; open_clip's 10000 suits long runs, 0 short ones."""
+    lr_scheduler: str = opt("cosine", choices=LR_SCHEDULERS)
+    """After warmup: "cosine" (decay to 0 at the last step), "const" (stay at the peak) or "const-cooldown"
+    (the peak, then from --epochs-cooldown before the end a decay to --lr-cooldown-end). Every parameter
+    group is scaled from its own peak."""
+    epochs_cooldown: int | None = opt(None, metavar="N", unit="epochs")
+    """const-cooldown: length of the cooldown, converted to optimizer steps (N x steps per epoch); it
+    starts that many steps before the last step."""
+    lr_cooldown_power: float = opt(1.0, metavar="P")
+    """const-cooldown: power of the polynomial cooldown (1: linear)."""
+    lr_cooldown_end: float = opt(0.0, metavar="LR")
+    """const-cooldown: learning rate at the end of the cooldown (a group whose peak is not --lr ends at the
+    same fraction of its own peak)."""
+    visual_lr: float | None = opt(
+        None, metavar="LR", default_text="--lr", open_clip="ds_clip only (EVA-CLIP's --visual-lr)"
+    )
+    """Peak learning rate of the image tower (visual.*); 0 keeps it where it is (AdamW moves nothing)."""
+    text_lr: float | None = opt(
+        None, metavar="LR", default_text="--lr", open_clip="ds_clip only (EVA-CLIP's --text-lr)"
+    )
+    """Peak learning rate of the text tower (transformer, token and positional embedding, ln_final,
+    text_projection; text.* for HF and custom text towers)."""
+    visual_wd: float | None = opt(
+        None, metavar="WD", default_text="--wd", open_clip="ds_clip only (EVA-CLIP's --visual-wd)"
+    )
+    """Weight decay of the image tower (not applied to its gains, biases and norms)."""
+    text_wd: float | None = opt(
+        None, metavar="WD", default_text="--wd", open_clip="ds_clip only (EVA-CLIP's --text-wd)"
+    )
+    """Weight decay of the text tower (not applied to its gains, biases and norms)."""
+    visual_ld: float = opt(1.0, metavar="LD", open_clip="ds_clip only (EVA-CLIP's --visual-ld)")
+    """Layer-wise LR decay of the image tower (EVA-CLIP's rule): with L blocks, the embeddings are layer
+    0, block i is layer i+1, the rest (final norm, projection) layer L+1; layer l trains at
+    --visual-lr * LD^(L+1-l). 1: off."""
+    text_ld: float = opt(1.0, metavar="LD", open_clip="ds_clip only (EVA-CLIP's --text-ld)")
+    """Layer-wise LR decay of the text tower, as --visual-ld (token and positional embedding: layer 0;
+    ln_final, text_projection: layer L+1). 1: off."""
+    optimizer: str = opt(
+        "adamw",
+        flag="--opt",
+        metavar="NAME",
+        open_clip="differs: DeepSpeed's config-built adamw, lamb, lion, sgd (open_clip: adamw or timm/NAME)",
+    )
+    """Optimizer, built by DeepSpeed from its JSON (so ZeRO partitions it and offload presets run it on the
+    CPU): "adamw" (torch AdamW; DeepSpeed's CPU Adam under offload), "lamb" (DeepSpeed's FusedLamb: CUDA
+    only, no offload), "lion" (FusedLion on CUDA, DeepSpeed's CPU Lion under offload; on a CPU-only machine
+    only with an offload preset), "sgd" (torch SGD, --momentum). Per-tower groups and the LR schedule apply
+    to each."""
+    momentum: float | None = opt(None, metavar="M", default_text="0 (--opt sgd only)")
+    """Momentum of --opt sgd (the other optimizers have --beta1/--beta2 instead)."""
+    skip_scheduler: bool = opt(False)
+    """No LR schedule: every group trains at its peak LR from the first step (no warmup, no decay), as
+    open_clip without a scheduler."""
+    beta1: float = opt(0.9, metavar="B1", open_clip="differs: default from the model there (0.9 for ViTs)")
+    """beta1 of AdamW, Lamb and Lion (first-moment decay)."""
+    beta2: float = opt(0.98, metavar="B2", open_clip="differs: default from the model there (0.98 for ViTs)")
+    """beta2 of AdamW, Lamb and Lion (second-moment decay)."""
+    eps: float = opt(1e-6, metavar="EPS", open_clip="differs: default from the model there (1e-6 for ViTs)")
+    """Epsilon of AdamW and Lamb."""
+    grad_clip_norm: float | None = opt(None, metavar="NORM", unit="L2 norm")
+    """Clip the global gradient L2 norm to this value (DeepSpeed gradient_clipping); none: no clipping."""
+    max_skipped_steps: int = opt(10, metavar="N", unit="steps", open_clip="ds_clip only")
+    """Stop with an error after this many consecutive optimizer steps whose loss or gradient was not
+    finite (each one skipped on every rank); the last complete checkpoint is kept."""
+
+
+@dataclass
+class LossSettings:
+    """loss: which contrastive loss, and how its logit matrix is computed across ranks."""
+
+    local_loss: bool = opt(False)
+    """Each rank computes the loss rows of its own pairs against all columns; needs --gather-with-grad
+    for the full-batch gradient."""
+    gather_with_grad: bool = opt(False)
+    """All-gather features with a backward that reduces, so every rank gets the full-batch gradient."""
+    siglip: bool = opt(False)
+    """Sigmoid (SigLIP) loss instead of the softmax CLIP loss."""
+    loss_impl: str = opt("auto", choices=LOSS_IMPLS, open_clip="ds_clip only")
+    """"dense" (whole logit matrix in memory), "tiled" (blocks of it, O(tile*N) memory) or "auto": tiled
+    from a global batch of 8192 pairs on, where it is also the faster one (docs/loss.md), dense below."""
+    loss_tile_size: int = opt(4096, metavar="PAIRS", unit="pairs", open_clip="ds_clip only")
+    """Rows and columns of one block of the logit matrix in the tiled loss: memory grows as tile x N."""
+    coca_contrastive_loss_weight: float = opt(1.0, metavar="W")
+    """CoCa models: weight of the contrastive (CLIP) loss over all N pairs."""
+    coca_caption_loss_weight: float = opt(
+        2.0,
+        metavar="W",
+        open_clip="differs: there the caption mean is over each rank's tokens, here over the global batch's",
+    )
+    """CoCa models: weight of the captioning cross-entropy, a mean over the non-pad tokens of the whole
+    global batch (all ranks and micro-batches), so W x k x m trains like one process holding all N captions."""
+
+
+@dataclass
+class CheckpointSettings:
+    """checkpoint: when to save, how many to keep, where to resume from."""
+
+    save_every_n_steps: int | None = opt(
+        None,
+        metavar="STEPS",
+        unit="steps",
+        default_text="the end only",
+        open_clip="differs: open_clip has --save-frequency, in epochs",
+    )
+    """Save a DeepSpeed checkpoint every this many optimizer steps (and always at the end); with
+    --save-frequency, at the steps of either."""
+    save_frequency: int | None = opt(
+        None,
+        metavar="EPOCHS",
+        unit="epochs",
+        default_text="the end only",
+        open_clip="differs: default 1 there (every epoch); 0 = none here too",
+    )
+    """Save a checkpoint at the end of every this many epochs (0: no epoch saves), besides
+    --save-every-n-steps and the end of the run."""
+    save_most_recent: bool = opt(
+        False, open_clip="differs: a DeepSpeed checkpoint folder, not epoch_latest.pt"
+    )
+    """Also save at the end of every epoch, keeping only the most recent such checkpoint (the ones
+    --save-frequency / --save-every-n-steps save are kept)."""
+    delete_previous_checkpoint: bool = opt(False)
+    """Keep only the newest complete checkpoint: the previous one is deleted once a new one is complete
+    (the same as --keep-checkpoints 1)."""
+    keep_checkpoints: int | None = opt(
+        None,
+        metavar="N",
+        unit="checkpoints",
+        default_text="all",
+        open_clip="ds_clip only (open_clip: --delete-previous-checkpoint)",
+    )
+    """Keep only the newest N complete checkpoints; older ones are deleted after a newer one is complete."""
+    resume: str | None = opt(None, metavar="latest|DIR")
+    """"latest" (the latest complete checkpoint of the run named by --name) or a checkpoint folder."""
+
+
+@dataclass
+class EvalSectionSettings:
+    """eval: validation data and when to evaluate (ds_clip.evaluate.EvalSettings is built from it)."""
+
+    val_data: str | None = opt(None, metavar="PATTERN", open_clip='differs: also "synthetic"')
+    """Validation shards (same syntax as --train-data) or "synthetic" (held-out pairs of the built-in
+    dataset)."""
+    val_num_samples: int | None = opt(None, metavar="N", unit="pairs", default_text="all (512 for synthetic)")
+    """Validation pairs evaluated."""
+    val_every_n_steps: int | None = opt(
+        None,
+        metavar="STEPS",
+        unit="steps",
+        default_text="the end only",
+        open_clip="differs: open_clip has --val-frequency, in epochs",
+    )
+    """Evaluate on --val-data every this many optimizer steps (and always at the end); with
+    --val-frequency / --zeroshot-frequency, at the steps of any of them."""
+    val_frequency: int | None = opt(
+        None,
+        metavar="EPOCHS",
+        unit="epochs",
+        default_text="the end only",
+        open_clip="differs: default 1 there (every epoch)",
+    )
+    """Evaluate on --val-data at the end of every this many epochs (0: never mid-run), besides
+    --val-every-n-steps and the end of the run."""
+    zeroshot_frequency: int | None = opt(
+        None,
+        metavar="EPOCHS",
+        unit="epochs",
+        default_text="the end only",
+        open_clip="differs: default 2 there",
+    )
+    """Zero-shot evaluation (--zeroshot-classes) at the end of every this many epochs (0: never
+    mid-run), besides the end of the run; without zero-shot data it has nothing to do (as in open_clip)."""
+    zeroshot_classes: str | None = opt(
+        None, metavar="FILE", open_clip="ds_clip only (open_clip: --imagenet-val)"
+    )
+    imagenet_val: str | None = opt(
+        None,
+        metavar="DIR",
+        open_clip="differs: also class folders named by index 0-999 (a subset of the classes)",
+    )
+    """Zero-shot top-1/top-5 on an ImageNet validation folder (torchvision ImageFolder layout) with open_clip's
+    1000 ImageNet class names and its 80 OpenAI templates, each rank classifying its share of the images, at
+    --zeroshot-frequency and at the end. Class folders: 1000 (sorted as ImageFolder sorts them: ImageNet's
+    synset folders give ImageNet's class order), or folders named by class index 0-999 (ImageNetV2's layout;
+    any subset of the classes, still classified among all 1000)."""
+    imagenet_v2: str | None = opt(
+        None, metavar="DIR", open_clip="differs: a local ImageNetV2 folder (class folders 0-999); no download"
+    )
+    """As --imagenet-val, on a local ImageNetV2 folder (e.g. imagenetv2-matched-frequency-format-val, class
+    folders named 0-999)."""
+    zeroshot_classes: str | None = opt(
+        None, metavar="FILE", open_clip="ds_clip only (open_clip: --imagenet-val)"
+    )
+    """Zero-shot classification: a JSON file {"classnames": [...], "templates": [...]} (templates with
+    "{c}", or "simple"/"openai" for open_clip's lists) or a text file, one class a line. Needs --val-data."""
+
+
+@dataclass
+class LoggingSettings:
+    """logging: the run folder and what is logged to it."""
+
+    # "--log-dir" because torchrun (torch >= 2.x) takes "--logs" for a prefix of its own "--logs-specs".
+    logs: str = opt("./logs", metavar="DIR", aliases=("--log-dir",), open_clip="same; alias --log-dir")
+    """Folder holding one sub-folder per run (settings, DeepSpeed JSON, metrics, checkpoints). Under
+    torchrun write --log-dir (torchrun claims --logs as a prefix of its --logs-specs)."""
+    name: str | None = opt(None, metavar="NAME", default_text="date-time, model, m, k")
+    """Run folder name under --logs; default "YYYY_mm_dd-HH_MM_SS-model_<model>-m_<m>-k_<k>" (rank 0's)."""
+    log_every_n_steps: int = opt(10, metavar="STEPS", unit="steps", open_clip="differs: default 100 there")
+    """Log loss, learning rate and samples/s every this many optimizer steps."""
+    report_to: list[str] = opt(
+        default_factory=list,
+        metavar="LIST",
+        default_text="console only",
+        open_clip="differs: a comma list of tensorboard, csv, wandb",
+    )
+    """Metric sinks besides the console, comma-separated: any of "tensorboard", "csv", "wandb"."""
+    wandb_project_name: str = opt("ds_clip", metavar="NAME", open_clip="differs: default open-clip there")
+    """Weights & Biases project of the run (--report-to wandb)."""
+    wandb_notes: str = opt("", metavar="TEXT")
+    """Weights & Biases notes of the run (--report-to wandb)."""
+    log_local: bool = opt(False, open_clip="differs: console lines (ds_clip writes no out.log)")
+    """Log on every node's first rank (local rank 0), each line prefixed with its rank; default: rank 0
+    only."""
+    debug: bool = opt(False, open_clip="differs: DEBUG level for ds_clip's own log lines")
+    """Log ds_clip's debug lines too."""
+
+
+@dataclass
+class DistSettings:
+    """dist: DeepSpeed (preset, ZeRO stage, precision) and the process group."""
+
+    ds_config: str | None = opt(
+        None,
+        metavar="NAME|PATH",
+        default_text="zero1_<precision>; zero0_<precision> on 1 rank",
+        open_clip="ds_clip only",
+    )
+    """DeepSpeed preset name (ds_configs/<name>.json) or path to a JSON of engine settings. Left out: ZeRO-1 on
+    several ranks; ZeRO-0 on one (nothing to partition), unless --zero-stage, --coalesce-grad-reduction on or
+    fp16 asks for ZeRO (ds_config.default_preset; the start-up log says which and why)."""
+    zero_stage: int | None = opt(
+        None, metavar="{0,1,2,3}", default_text="the preset's", open_clip="ds_clip only"
+    )
+    """ZeRO stage 0-3, overriding the preset's zero_optimization.stage."""
+    precision: str = opt(
+        "fp32",
+        choices=PRECISION_NAMES,
+        derived=True,
+        default_text="the preset's, else fp32",
+        open_clip="differs: open_clip's names, each mapped onto a DeepSpeed precision; default amp there",
+    )
+    """DeepSpeed precision: "fp32", "bf16" (bf16 weights, fp32 master copy in the optimizer) or "fp16" (the
+    same with dynamic loss scaling). open_clip's names map onto them: amp, fp16, pure_fp16 -> fp16;
+    amp_bf16, amp_bfloat16, bf16, pure_bf16 -> bf16; fp32 -> fp32 (DeepSpeed's master copy is between
+    open_clip's amp and pure modes)."""
+    coalesce_grad_reduction: str = opt("off", choices=("auto", "on", "off"), open_clip="ds_clip only")
+    """One gradient reduction per optimizer step on ZeRO 1-3 (DeepSpeed's engine.coalesce_grad_reduction()
+    around the k backward passes): "on" (refused where DeepSpeed does not allow it: ZeRO-0, a BF16/FP16
+    optimizer wrapper, a preset with managed_gradient_accumulation false), "auto" (on where allowed, else
+    logged once and off), "off" (ZeRO-2/3 reduce after every micro-batch, keeping gradients partitioned)."""
+    dist_timeout: float = opt(1800.0, metavar="SECONDS", unit="seconds", open_clip="ds_clip only")
+    """How long a collective waits for the other ranks before this rank fails (a dead rank)."""
+    dry_run: bool = opt(False, open_clip="ds_clip only")
+    """Parse and check every flag, resolve the DeepSpeed JSON, print the settings and the JSON, exit: no
+    process group, no model."""
+    local_rank: int = opt(-1, flag="--local_rank", aliases=("--local-rank",), hidden=True)
+    """Appended by the deepspeed launcher (--local_rank=N); not for users, unused otherwise."""
+
+
+@dataclass
+class TrainSettings:
+    """Everything one training run needs: one section per concern, each field one flag.
+
+    Sizes: m = `optim.batch_size` pairs per rank per micro-batch, k = `optim.accum_freq` micro-batches per
+    optimizer step, W = world size; one optimizer step sees N = m * k * W pairs and moves the model as one
+    process would on the whole N-pair batch (ds_clip.step says how).
+
+    Field names are unique across sections (each is its flag's dest): `TrainSettings.of(batch_size=4)`
+    and settings.json use them flat.
+    """
+
+    model: ModelSettings = field(default_factory=ModelSettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    optim: OptimSettings = field(default_factory=OptimSettings)
+    loss: LossSettings = field(default_factory=LossSettings)
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    eval: EvalSectionSettings = field(default_factory=EvalSectionSettings)
+    logging: LoggingSettings = field(default_factory=LoggingSettings)
+    dist: DistSettings = field(default_factory=DistSettings)
+
+    @classmethod
+    def section_types(cls) -> dict[str, type]:
+        """Section name -> its dataclass, in order ("model": ModelSettings, ...)."""
+        return dict(_SECTIONS)
+
+    @classmethod
+    def of(cls, **values: Any) -> TrainSettings:
+        """Settings from flat field names (`of(batch_size=4, precision="bf16")`); the rest default."""
+        sections: dict[str, dict[str, Any]] = {sec: {} for sec in _SECTIONS}
+        by_name = {f.name: sec for sec, kind in _SECTIONS.items() for f in dataclasses.fields(kind)}
+        for name, value in values.items():
+            if name not in by_name:
+                raise TypeError(f"TrainSettings has no field {name!r}")
+            sections[by_name[name]][name] = value
+        return cls(**{sec: _SECTIONS[sec](**kw) for sec, kw in sections.items()})
+
+
+_SECTIONS: dict[str, type] = {
+    f.name: typing.get_type_hints(TrainSettings)[f.name] for f in dataclasses.fields(TrainSettings)
+}

@@ -1,0 +1,53 @@
+"""`validate`: every rule of the settings, one pass, before anything starts.
+
+Cheap, and imports neither deepspeed nor torch.distributed, so a bad flag fails in a second, before any process
+group starts. Shard patterns and files are looked at; open_clip is imported only to check an unknown --model
+name or the keys of --aug-cfg. The DeepSpeed preset is resolved against the flags for a world size not known
+yet (ds_clip.ds_config.check_preset); the start resolves it again for the real one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ds_clip.config.checks import (
+    check_data,
+    check_dist,
+    check_eval,
+    check_loss,
+    check_optim,
+    check_outputs,
+    check_shards,
+    need,
+)
+from ds_clip.config.model_checks import check_distill, check_model, check_model_flags, check_pretrained
+from ds_clip.config.sections import CheckpointSettings, LoggingSettings, TrainSettings
+from ds_clip.ds_config import check_preset
+
+
+def validate(s: TrainSettings) -> None:
+    """Raise SettingsError naming the flag for the first bad value in `s`, the preset included. Fast: no
+    deepspeed import; shard patterns, files and (for an unknown name) open_clip's model list are looked at."""
+    check_optim(s.optim)
+    check_loss(s.loss)
+    check_dist(s.dist)
+    check_outputs(s.logging, s.checkpoint)
+    check_data(s.data)
+    if s.data.train_data and s.data.dataset_type != "csv":  # a CSV path is a file, not a shard pattern
+        check_shards("--train-data", s.data.train_data)
+    check_eval(s.eval, batch_size=s.optim.batch_size)
+    if s.model.pretrained:
+        check_pretrained(s.model.pretrained)
+    check_model(s.model)
+    check_model_flags(s.model)
+    check_distill(s)
+    _check_resume(s.checkpoint, s.logging)
+    # The DeepSpeed preset: exists, parses, and agrees with the flags (world size unknown yet).
+    check_preset(s)
+
+
+def _check_resume(ck: CheckpointSettings, lg: LoggingSettings) -> None:
+    if ck.resume == "latest":
+        need(lg.name is not None, "--resume latest needs --name of the run to continue")
+    elif ck.resume is not None:
+        need(Path(ck.resume).expanduser().exists(), f"--resume {ck.resume!r}: no such checkpoint folder")
