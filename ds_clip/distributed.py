@@ -130,6 +130,14 @@ def _local_rank() -> int:
     return 0
 
 
+def accelerator_name() -> str:
+    """DeepSpeed's accelerator on this machine ("cuda", "cpu", ...): what the DeepSpeed JSON is resolved for
+    (ds_clip.ds_config.resolve_deepspeed decides what it cannot run)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name()
+
+
 def _set_local_device() -> None:
     """Make GPU LOCAL_RANK this process's current device (nothing on a CPU accelerator)."""
     from deepspeed.accelerator import get_accelerator
@@ -401,6 +409,7 @@ __all__ = [
     "WORLD_OF_ONE_ENV",
     "DistInfo",
     "SimulatedDeviceTensor",
+    "accelerator_name",
     "all_gather_cat",
     "all_gather_cat_with_grad",
     "all_gather_object",

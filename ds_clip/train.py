@@ -59,23 +59,20 @@ def dry_run(s: TrainSettings) -> None:
     """--dry-run: what can be checked without starting is checked (the flags, the preset, the resolved JSON
     for this launch's world size, whether DeepSpeed builds --opt on this machine's accelerator); the settings
     and the JSON are printed as the run folder would get them. No process group, no model, no files."""
-    from deepspeed.accelerator import get_accelerator  # (deepspeed's import, not a process group)
-
-    from ds_clip.ds_config import bn_sync_blocker, optimizer_blocker, resolve_ds_config
-    from ds_clip.errors import UserError as _UserError
+    from ds_clip.distributed import accelerator_name  # (deepspeed's accelerator, not a process group)
+    from ds_clip.ds_config import resolve_deepspeed
     from ds_clip.presets import precision_mapping_text
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    ds_json = resolve_ds_config(s, world_size)
-    accelerator = get_accelerator().device_name()
-    for why_not in (optimizer_blocker(s, accelerator), bn_sync_blocker(s, accelerator)):
-        if why_not is not None:
-            raise _UserError(why_not)
+    ds = resolve_deepspeed(s, world_size, accelerator=accelerator_name())
+    ds.refuse_blocked()
     print(f"# settings ({s.logging.logs}/{s.logging.name}/settings.json)")
     print(json.dumps(settings_to_dict(s), indent=2))
     print(f"# --precision: DeepSpeed {s.dist.precision} ({precision_mapping_text()})")
-    print(f"# DeepSpeed JSON for world size {world_size} on the {accelerator} accelerator (ds_config.json)")
-    print(json.dumps(ds_json, indent=2))
+    print(
+        f"# DeepSpeed JSON for world size {world_size} on the {ds.accelerator} accelerator (ds_config.json)"
+    )
+    print(ds.json_text)
     print("# dry run: the flags are good; nothing was started", flush=True)
 
 
