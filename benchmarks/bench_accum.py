@@ -413,7 +413,7 @@ def _run_one_engine(
     from deepspeed import comm as ds_comm
 
     from ds_clip.config import parse_settings
-    from ds_clip.engine import build_engine, build_model_bundle
+    from ds_clip.engine import build_engine, build_model_bundle, resolve_run
     from ds_clip.step import cached_step, input_dtype
     from ds_clip.testing import FLAT_SCHEDULE_STEPS, RunSpec, generated_pairs, train_argv
 
@@ -435,14 +435,14 @@ def _run_one_engine(
     # (train_argv names zero<stage>_<precision>, which is also the default preset where engine_preset chose it),
     # with open_clip's AdamW settings for ViTs.
     with tempfile.TemporaryDirectory() as preset_dir:
-        train_settings = parse_settings(
-            [*train_argv(spec, preset_dir), "--lr", "1e-5", "--wd", "0.1", "--eps", "1e-6"]
-        )
-        bundle = build_model_bundle(train_settings)
+        s = parse_settings([*train_argv(spec, preset_dir), "--lr", "1e-5", "--wd", "0.1", "--eps", "1e-6"])
+        bundle = build_model_bundle(s.model, seed=s.data.seed)
         num_params = sum(p.numel() for p in bundle.model.parameters())
+        geometry, ds = resolve_run(s, world)
         built = build_engine(
-            train_settings, bundle, rank=rank, world_size=world, total_steps=FLAT_SCHEDULE_STEPS
-        )
+            bundle, geometry, ds, model=s.model, optim=s.optim, loss=s.loss, seed=s.data.seed, rank=rank,
+            total_steps=FLAT_SCHEDULE_STEPS,
+        )  # fmt: skip
     engine = built.engine
     engine.train()
     comms = ds_comm.comms_logger

@@ -88,7 +88,7 @@ def _ours_entry(payload: dict) -> dict[str, Any]:
     import torch
 
     from ds_clip.config import parse_settings
-    from ds_clip.engine import build_engine, build_model_bundle
+    from ds_clip.engine import build_engine, build_model_bundle, resolve_run
     from ds_clip.step import cached_step
     from ds_clip.testing import generated_pairs
 
@@ -106,8 +106,12 @@ def _ours_entry(payload: dict) -> dict[str, Any]:
         payload["precision"],
     ]
     s = parse_settings(argv)
-    bundle = build_model_bundle(s)
-    built = build_engine(s, bundle, rank=0, world_size=1, total_steps=10**6)
+    bundle = build_model_bundle(s.model, seed=s.data.seed)
+    geometry, ds = resolve_run(s, 1)
+    built = build_engine(
+        bundle, geometry, ds, model=s.model, optim=s.optim, loss=s.loss, seed=s.data.seed,
+        rank=0, total_steps=10**6,
+    )  # fmt: skip
     engine = built.engine
     engine.train()
     text = COCA_BENCH_SMALL["text_cfg"]

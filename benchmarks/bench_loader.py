@@ -25,6 +25,7 @@ import open_clip
 import torch
 
 from ds_clip.data.loader import DataSettings, build_train_data
+from ds_clip.geometry import BatchGeometry
 from ds_clip.shards import main as shards_main
 
 MICRO_BATCH = 64
@@ -52,9 +53,7 @@ def measure(settings: DataSettings, preprocess, tokenizer, seconds: float) -> fl
         preprocess=preprocess,
         tokenizer=tokenizer,
         rank=0,
-        world_size=1,
-        batch_size=MICRO_BATCH,
-        accum_freq=1,
+        geometry=BatchGeometry(1, 1, MICRO_BATCH),
     )
     start, samples = None, 0
     for batch in data.iter_epoch(0):

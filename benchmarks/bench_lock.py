@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed()
     import ds_clip.step as step_mod
     from ds_clip.config import parse_settings
-    from ds_clip.engine import build_engine, build_model_bundle
+    from ds_clip.engine import build_engine, build_model_bundle, resolve_run
     from ds_clip.testing import RunSpec, step_micro_batches
 
     flags = ["--model", args.model, "--lock-image", "--batch-size", str(args.batch_size), "--accum-freq",
@@ -48,8 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.force_image_size:
         flags += ["--force-image-size", str(args.force_image_size)]
     s = parse_settings(flags)
-    bundle = build_model_bundle(s)
-    built = build_engine(s, bundle, rank=0, world_size=1, total_steps=10**6)
+    bundle = build_model_bundle(s.model, seed=s.data.seed)
+    geometry, ds = resolve_run(s, 1)
+    built = build_engine(
+        bundle, geometry, ds, model=s.model, optim=s.optim, loss=s.loss, seed=s.data.seed,
+        rank=0, total_steps=10**6,
+    )  # fmt: skip
     engine, loss_fn = built.engine, built.loss_fn
     engine.train()
     spec = RunSpec(model=args.model, micro_batch_size=args.batch_size, accum_freq=args.accum_freq, steps=1)

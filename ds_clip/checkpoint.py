@@ -32,9 +32,11 @@ from typing import Any
 import torch
 
 from ds_clip import faults
+from ds_clip.config import CheckpointSettings
 from ds_clip.distributed import barrier as _barrier
 from ds_clip.distributed import broadcast_object, rank, world_size
 from ds_clip.errors import RunError, UserError
+from ds_clip.geometry import BatchGeometry
 
 logger = logging.getLogger("ds_clip")
 
@@ -373,16 +375,18 @@ def check_compatible(
             f"{flag}: incompatible model: the checkpoint was saved from --model {meta.get('model')!r} ({detail}); "
             "resume with the same --model, or export it (ds-clip-export) and fine-tune with --pretrained"
         )
-    n_saved = meta["world_size"] * meta["accum_freq"] * meta["micro_batch_size"]
-    if n_saved != global_batch:
-        k_saved, m_saved = meta["accum_freq"], meta["micro_batch_size"]
+    saved = BatchGeometry(meta["world_size"], meta["accum_freq"], meta["micro_batch_size"])
+    if saved.global_batch != global_batch:
         hint = ""
-        if n_saved % (world_size * m_saved) == 0:
-            hint = f": use --batch-size {m_saved} --accum-freq {n_saved // (world_size * m_saved)}"
+        try:  # the --accum-freq that keeps the saved N on this run's ranks with the saved micro-batch
+            keep = BatchGeometry.for_global_batch(world_size, saved.micro_batch_size, saved.global_batch)
+            hint = f": use --batch-size {keep.micro_batch_size} --accum-freq {keep.accum_freq}"
+        except ValueError:
+            pass
         raise CheckpointError(
-            f"{flag}: the checkpoint trained global batch N = W*k*m = {meta['world_size']}*{k_saved}*{m_saved} = "
-            f"{n_saved}, this run {global_batch}; a resume keeps N{hint} (or start a new run with --pretrained "
-            "from an export)"
+            f"{flag}: the checkpoint trained global batch N = W*k*m = {saved.world_size}*{saved.accum_freq}*"
+            f"{saved.micro_batch_size} = {saved.global_batch}, this run {global_batch}; a resume keeps N{hint} (or "
+            "start a new run with --pretrained from an export)"
         )
 
 
@@ -630,29 +634,27 @@ class Checkpointer:
         engine,
         run_dir: Path,
         data,
+        section: CheckpointSettings,
         *,
+        geometry: BatchGeometry,
         settings: dict[str, Any],
         meta: dict[str, Any],
-        every_n_steps: int | None,
-        keep: int | None,
-        global_batch: int,
-        every_n_epochs: int | None = None,
-        most_recent: bool = False,
         steps_per_epoch: int | None = None,
     ) -> None:
+        """``section``: the checkpoint flags; ``geometry``: the run's W, k, m (the N a resume must keep, the
+        samples a step counts); ``settings``: the flat settings (settings.json) a resume checks; ``meta``: what
+        else each checkpoint records (model, precision, ...)."""
         self.engine, self.run_dir, self.data = engine, Path(run_dir), data
-        self.settings, self.meta = settings, meta
-        self.every_n_steps, self.keep, self.global_batch = every_n_steps, keep, global_batch
-        self.every_n_epochs, self.most_recent, self.steps_per_epoch = (
-            every_n_epochs,
-            most_recent,
-            steps_per_epoch,
-        )
+        self.settings, self.geometry = settings, geometry
+        self.meta = {"accum_freq": geometry.accum_freq, "micro_batch_size": geometry.micro_batch_size, **meta}
+        self.every_n_steps, self.every_n_epochs = section.save_every_n_steps, section.save_frequency
+        self.keep = 1 if section.delete_previous_checkpoint else section.keep_checkpoints
+        self.most_recent, self.steps_per_epoch = section.save_most_recent, steps_per_epoch
         self._recent_only: Path | None = None
         """The last checkpoint saved only for --save-most-recent: deleted once a newer one is complete."""
 
     def save(self, step: int, *, recent_only: bool = False) -> Path:
-        meta = {**self.meta, "epoch": self.data.epoch, "samples_seen": step * self.global_batch}
+        meta = {**self.meta, "epoch": self.data.epoch, "samples_seen": step * self.geometry.global_batch}
         path = save(
             self.engine, self.run_dir, step, self.data.state_dict(), self.settings, meta=meta, keep=self.keep
         )
@@ -687,7 +689,7 @@ class Checkpointer:
             self.run_dir,
             resume,
             shapes=shapes,
-            global_batch=self.global_batch,
+            global_batch=self.geometry.global_batch,
             settings=self.settings,
         )
         self.data.load_state_dict(state["data"])

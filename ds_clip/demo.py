@@ -92,8 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ds-clip-demo: error: --workers must be >= 0, got {a.workers}", file=sys.stderr)
         return 2
     from ds_clip.export import consolidated_state_dict
+    from ds_clip.geometry import BatchGeometry
 
-    w, k, m = a.world_size, a.accum_freq, a.batch_size
+    # Run B accumulates k micro-batches on W ranks; run A trains the same N pairs per step on W*k ranks at k=1.
+    geometry_b = BatchGeometry(a.world_size, a.accum_freq, a.batch_size)
+    geometry_a = BatchGeometry(geometry_b.world_size * geometry_b.accum_freq, 1, geometry_b.micro_batch_size)
+    w, k, m = geometry_b.world_size, geometry_b.accum_freq, geometry_b.micro_batch_size
     root = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="ds-clip-demo-"))
     root.mkdir(parents=True, exist_ok=True)
     model_dir = root / "model"
@@ -104,20 +108,21 @@ def main(argv: list[str] | None = None) -> int:
         "--model", f"local-dir:{model_dir}", "--batch-size", str(m), "--max-steps", str(a.steps),
         "--zero-stage", str(a.zero_stage), "--precision", a.precision, "--lr", str(LR), "--eps", "1e-6",
         "--warmup", "1", "--log-every-n-steps", "1", "--report-to", "csv", "--workers", str(a.workers),
-        "--train-num-samples", str(w * k * m * a.steps), "--logs", str(root),
+        "--train-num-samples", str(geometry_b.global_batch * a.steps), "--logs", str(root),
         *(["--siglip"] if a.siglip else []), *(["--local-loss", "--gather-with-grad"] if a.local_loss else []),
     ]  # fmt: skip
     print(
-        f"global batch N = {w * k * m} pairs per step, ZeRO-{a.zero_stage}, {a.precision}, random crops and "
-        f"patch dropout on, --workers {a.workers}; run folders in {root}"
+        f"global batch N = {geometry_b.global_batch} pairs per step, ZeRO-{a.zero_stage}, {a.precision}, "
+        f"random crops and patch dropout on, --workers {a.workers}; run folders in {root}"
     )
-    print(f"run A: {w * k} ranks x m={m} (k=1)", flush=True)
-    _train(w * k, [*common, "--accum-freq", "1", "--name", "A"], root / "A.log")
+    print(f"run A: {geometry_a.world_size} ranks x m={m} (k=1)", flush=True)
+    _train(geometry_a.world_size, [*common, "--accum-freq", "1", "--name", "A"], root / "A.log")
     print(f"run B: {w} ranks x m={m} x k={k} (cached accumulation)", flush=True)
     _train(w, [*common, "--accum-freq", str(k), "--name", "B"], root / "B.log")
 
     loss_a, loss_b = _losses(root / "A"), _losses(root / "B")
-    print(f"\n{'step':>4}  {f'loss A ({w * k}x{m})':>18}  {f'loss B ({w}x{m}x{k})':>18}  {'|A-B|':>9}")
+    w_a = geometry_a.world_size
+    print(f"\n{'step':>4}  {f'loss A ({w_a}x{m})':>18}  {f'loss B ({w}x{m}x{k})':>18}  {'|A-B|':>9}")
     for i, (la, lb) in enumerate(zip(loss_a, loss_b), start=1):
         print(f"{i:>4}  {la:>18.6f}  {lb:>18.6f}  {abs(la - lb):>9.2e}")
     tag = f"step_{a.steps:08d}"

@@ -1,7 +1,13 @@
-"""The one engine builder: settings -> open_clip model, resolved DeepSpeed JSON, optimizer, LR schedule,
-contrastive loss and (--distill-model) the frozen teacher. ``ds-clip-train`` builds its engine here, and so
-do the tests and the demo that prove what it trains, so a proof covers exactly what ships (the shipped
-presets, DeepSpeed's config-built AdamW or CPU Adam under offload, the schedule, the clamp).
+"""The one engine builder: settings sections -> open_clip model, DeepSpeed engine (from the resolved JSON),
+optimizer, LR schedule, contrastive loss and (--distill-model) the frozen teacher. ``ds-clip-train`` builds its
+engine here, and so do the tests and the benchmarks that prove what it trains, so a proof covers exactly what
+ships (the shipped presets, DeepSpeed's config-built AdamW or CPU Adam under offload, the schedule, the clamp):
+
+    s = parse_settings(argv)
+    geometry, ds = resolve_run(s, world_size)       # once per run: the batch geometry, the DeepSpeed side
+    bundle = build_model_bundle(s.model, seed=s.data.seed)
+    built = build_engine(bundle, geometry, ds, model=s.model, optim=s.optim, loss=s.loss, seed=s.data.seed,
+                         rank=rank, total_steps=total_steps)
 """
 
 from __future__ import annotations
@@ -11,14 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ds_clip.caption import CaptionLoss, caption_loss_for
-from ds_clip.config import SettingsError, TrainSettings
-from ds_clip.ds_config import (
-    bn_sync_blocker,
-    coalesce_fallback,
-    default_preset,
-    optimizer_blocker,
-    resolve_ds_config,
-)
+from ds_clip.config import LossSettings, ModelSettings, OptimSettings, TrainSettings
+from ds_clip.distributed import accelerator_name
+from ds_clip.ds_config import ResolvedDeepSpeed, resolve_deepspeed
+from ds_clip.geometry import BatchGeometry
 from ds_clip.loss import ContrastiveLoss, LossSpec, resolve_impl
 from ds_clip.model import ModelBundle, Teacher, build_model, prepare_for_deepspeed
 from ds_clip.optim import format_groups, param_groups_for
@@ -40,20 +42,27 @@ class BuiltEngine:
     """--distill-model: the frozen teacher, on the engine's device in its precision (not part of the engine)."""
 
 
-def build_model_bundle(s: TrainSettings) -> ModelBundle:
-    """The open_clip model (seeded by --seed, made DeepSpeed-safe) with its tokenizer and transforms; the
-    image flags reach the model and the transforms, the locking flags freeze parameters before any engine
-    (and so any optimizer) sees them."""
+def resolve_run(s: TrainSettings, world_size: int) -> tuple[BatchGeometry, ResolvedDeepSpeed]:
+    """What a run of ``s`` on ``world_size`` ranks of this machine derives once, at start, and hands down: its
+    batch geometry (W, k, m) and its DeepSpeed side (the JSON for W, the preset and why, what this machine's
+    accelerator cannot run)."""
+    geometry = BatchGeometry(world_size, s.optim.accum_freq, s.optim.batch_size)
+    return geometry, resolve_deepspeed(s, world_size, accelerator=accelerator_name())
+
+
+def build_model_bundle(m: ModelSettings, *, seed: int) -> ModelBundle:
+    """The open_clip model of the model section (seeded by ``seed``, the run's --seed, made DeepSpeed-safe) with
+    its tokenizer and transforms; the image flags reach the model and the transforms, the locking flags freeze
+    parameters before any engine (and so any optimizer) sees them."""
     from ds_clip.config import aug_cfg_dict
     from ds_clip.export import resolve_pretrained
     from ds_clip.model import ImageOptions, TowerLocks
 
-    m = s.model
     size = m.force_image_size
     bundle = build_model(
         m.model,
         pretrained=resolve_pretrained(m.pretrained),  # an exported folder or a weights file
-        seed=s.data.seed,
+        seed=seed,
         grad_checkpointing=m.grad_checkpointing,
         image=ImageOptions(
             force_patch_dropout=m.force_patch_dropout,
@@ -86,65 +95,59 @@ def build_model_bundle(s: TrainSettings) -> ModelBundle:
     return bundle
 
 
-def build_teacher(s: TrainSettings, student: ModelBundle) -> Teacher | None:
-    """The --distill-model teacher (None without it), built by the same builder as the student, on the CPU
-    in fp32, frozen and in eval mode, after checking it reads the student's images and tokens. Its weights
-    come from its local-dir: folder or --distill-pretrained (config validation refuses a teacher without
-    weights). The global RNG is left as it was: a teacher never shifts the student's random stream."""
+def build_teacher(m: ModelSettings, student: ModelBundle, *, seed: int) -> Teacher | None:
+    """The --distill-model teacher of the model section (None without it), built by the same builder as the
+    student, on the CPU in fp32, frozen and in eval mode, after checking it reads the student's images and
+    tokens. Its weights come from its local-dir: folder or --distill-pretrained (config validation refuses a
+    teacher without weights). The global RNG is left as it was: a teacher never shifts the student's random
+    stream."""
     import torch
 
     from ds_clip.export import resolve_pretrained
     from ds_clip.model import check_teacher_fits
 
-    name = s.model.distill_model
+    name = m.distill_model
     if name is None:
         return None
     with torch.random.fork_rng(devices=[]):
-        bundle = build_model(
-            name, pretrained=resolve_pretrained(s.model.distill_pretrained), seed=s.data.seed
-        )
+        bundle = build_model(name, pretrained=resolve_pretrained(m.distill_pretrained), seed=seed)
     check_teacher_fits(student, bundle, name)
     return Teacher(bundle.model, name)
 
 
 def build_engine(
-    s: TrainSettings,
     bundle: ModelBundle,
+    geometry: BatchGeometry,
+    ds: ResolvedDeepSpeed,
     *,
+    model: ModelSettings,
+    optim: OptimSettings,
+    loss: LossSettings,
+    seed: int,
     rank: int,
-    world_size: int,
     total_steps: int,
     steps_per_epoch: int | None = None,
 ) -> BuiltEngine:
     """DeepSpeed engine and loss for ``bundle.model``; every rank calls it (``deepspeed.initialize`` is a
-    collective). ``total_steps`` is the length of the LR schedule in optimizer steps; ``steps_per_epoch``
-    converts --epochs-cooldown (default: total_steps // --epochs, exact without --max-steps)."""
+    collective). ``ds`` is the DeepSpeed side resolved for ``geometry``'s world size on this machine's
+    accelerator; ``model`` gives the teacher (--distill-model, built with ``seed``) and --torchcompile.
+    ``total_steps`` is the length of the LR schedule in optimizer steps; ``steps_per_epoch`` converts
+    --epochs-cooldown (default: total_steps // --epochs, exact without --max-steps)."""
     import deepspeed
-    from deepspeed.accelerator import get_accelerator
 
-    ds_json = resolve_ds_config(s, world_size)
-    accelerator = get_accelerator().device_name()
-    for why_not in (optimizer_blocker(s, accelerator), bn_sync_blocker(s, accelerator)):
-        if why_not is not None:  # before DeepSpeed fails inside its op builder, or torch in the first forward
-            raise SettingsError(why_not)
+    _check_resolved_for(ds, geometry, accelerator_name())
+    ds.refuse_blocked()  # before DeepSpeed fails inside its op builder, or torch in the first forward
     # Before DeepSpeed starts: a teacher that does not fit the student is refused without an engine.
-    teacher = build_teacher(s, bundle)
-    o, loss = s.optim, s.loss
+    teacher = build_teacher(model, bundle, seed=seed)
+    ds_json = ds.config
     # Per-tower groups, each with its own "lr"/"weight_decay"; the schedule scales each from its own peak.
-    groups, group_table = param_groups_for(bundle.model, o)
-    schedule = schedule_for(o, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
+    groups, group_table = param_groups_for(bundle.model, optim)
+    schedule = schedule_for(optim, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
     if rank == 0:
-        if s.dist.ds_config is None:
-            preset, reason = default_preset(s, world_size)
-            logger.info("DeepSpeed preset %s (the default; --ds-config to choose): %s", preset, reason)
-        why = coalesce_fallback(s, world_size)
-        if why is not None:
-            logger.info("--coalesce-grad-reduction auto: off here, %s", why)
-        table = format_groups(group_table)
-        schedule_name = "no" if o.skip_scheduler else o.lr_scheduler
+        schedule_name = "no" if optim.skip_scheduler else optim.lr_scheduler
         logger.info(
             "optimizer parameter groups (--opt %s: DeepSpeed %s; peak lr; %s schedule):\n%s",
-            o.optimizer, ds_json["optimizer"]["type"], schedule_name, table,
+            optim.optimizer, ds_json["optimizer"]["type"], schedule_name, format_groups(group_table),
         )  # fmt: skip
     engine, *_ = deepspeed.initialize(
         model=bundle.model,
@@ -152,11 +155,11 @@ def build_engine(
         config=ds_json,
         lr_scheduler=lambda opt: build_scheduler(opt, schedule),
     )
-    if s.model.torchcompile:  # after initialize: DeepSpeed wraps (and ZeRO hooks) the uncompiled module
+    if model.torchcompile:  # after initialize: DeepSpeed wraps (and ZeRO hooks) the uncompiled module
         from ds_clip.model import compile_engine
 
         compile_engine(engine)
-    if world_size == 1 and engine.zero_optimization_stage() == 0:
+    if geometry.world_size == 1 and engine.zero_optimization_stage() == 0:
         # Alone, DeepSpeed still flattens every gradient into buckets and all-reduces them at engine.step()
         # (a copy of the whole gradient; 605 MB per step for ViT-B-32). Averaging over one rank is the
         # identity, so skip it. (ZeRO 1-3 move gradients into their partitions in that same call: kept.)
@@ -171,11 +174,11 @@ def build_engine(
             distill=teacher is not None,
             local_loss=loss.local_loss,
             gather_with_grad=loss.gather_with_grad,
-            impl=resolve_impl(loss.loss_impl, world_size * o.accum_freq * o.batch_size),
+            impl=resolve_impl(loss.loss_impl, geometry.global_batch),
             tile_size=loss.loss_tile_size,
         ),
         rank=rank,
-        world_size=world_size,
+        world_size=geometry.world_size,
     )
     caption_fn = caption_loss_for(
         bundle.model,
@@ -186,3 +189,14 @@ def build_engine(
     return BuiltEngine(
         engine=engine, loss_fn=loss_fn, ds_config=ds_json, caption_fn=caption_fn, teacher=teacher
     )
+
+
+def _check_resolved_for(ds: ResolvedDeepSpeed, geometry: BatchGeometry, accelerator: str) -> None:
+    """The resolved JSON must be the one for this engine: its world size and micro-batch, this accelerator."""
+    here = (geometry.world_size, geometry.micro_batch_size, accelerator)
+    resolved = (ds.world_size, ds.config.get("train_micro_batch_size_per_gpu"), ds.accelerator)
+    if resolved != here:
+        raise ValueError(
+            f"the DeepSpeed JSON was resolved for (world size, micro-batch, accelerator) = {resolved}, this engine "
+            f"is {here}: resolve_run(settings, {geometry.world_size}) resolves both for this machine"
+        )

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ds_clip.geometry import BatchGeometry
+
 logger = logging.getLogger("ds_clip")
 
 
@@ -124,9 +126,9 @@ class StepMeter:
     only host reads are at log steps.
     """
 
-    def __init__(self, *, every_n_steps: int, total_steps: int, global_batch: int, world_size: int) -> None:
+    def __init__(self, *, every_n_steps: int, total_steps: int, geometry: BatchGeometry) -> None:
         self.every_n_steps, self.total_steps = every_n_steps, total_steps
-        self.global_batch, self.world_size = global_batch, world_size
+        self.global_batch, self.world_size = geometry.global_batch, geometry.world_size
         self.loss = self.logit_scale = None
         self._reset()
 

@@ -296,16 +296,18 @@ def run_in_group(spec: RunSpec) -> RunResult:
     import torch.distributed as dist
 
     from ds_clip.config import parse_settings
-    from ds_clip.engine import build_engine, build_model_bundle
+    from ds_clip.engine import build_engine, build_model_bundle, resolve_run
     from ds_clip.step import cached_step
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     with tempfile.TemporaryDirectory() as preset_dir:
-        settings = parse_settings(train_argv(spec, preset_dir))
-        bundle = build_model_bundle(settings)
+        s = parse_settings(train_argv(spec, preset_dir))
+        geometry, ds = resolve_run(s, world_size)
+        bundle = build_model_bundle(s.model, seed=s.data.seed)
         built = build_engine(
-            settings, bundle, rank=rank, world_size=world_size, total_steps=FLAT_SCHEDULE_STEPS
-        )
+            bundle, geometry, ds, model=s.model, optim=s.optim, loss=s.loss, seed=s.data.seed, rank=rank,
+            total_steps=FLAT_SCHEDULE_STEPS,
+        )  # fmt: skip
     engine, loss_fn, teacher = built.engine, built.loss_fn, built.teacher
     probe = _GradProbe(engine) if spec.capture_grads else None
     engine.train()

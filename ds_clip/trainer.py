@@ -13,21 +13,30 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ds_clip import checkpoint, distributed, evaluate, faults
 from ds_clip.checkpoint import Checkpointer
 from ds_clip.clamp import clamp_logit_scale
-from ds_clip.config import DEFAULT_SYNTHETIC_SAMPLES, SettingsError, TrainSettings, settings_to_dict
+from ds_clip.config import (
+    DEFAULT_SYNTHETIC_SAMPLES,
+    DataSettings,
+    LoggingSettings,
+    ModelSettings,
+    SettingsError,
+    TrainSettings,
+    settings_to_dict,
+)
 from ds_clip.data import StepBatch, build_train_data
 from ds_clip.distributed import DistInfo, init_distributed
-from ds_clip.ds_config import resolve_ds_config, write_run_files
-from ds_clip.engine import build_engine, build_model_bundle
+from ds_clip.ds_config import write_run_files
+from ds_clip.engine import build_engine, build_model_bundle, resolve_run
 from ds_clip.errors import RunError
 from ds_clip.evaluate import Evaluator
 from ds_clip.metrics import MetricsWriter, StepMeter
-from ds_clip.model import check_tokenizer_fits
+from ds_clip.model import ModelBundle, check_tokenizer_fits
 from ds_clip.preemption import StopRequest
 from ds_clip.presets import precision_mapping_text
 from ds_clip.step import StepResult, UntrainedOutputError, cached_step, micro_batch_seed
@@ -96,121 +105,109 @@ class Trainer:
 
     def __init__(self, s: TrainSettings) -> None:
         # Before any process group: an unusable output folder is a one-line error, not a crash at save time.
-        o, ck = s.optim, s.checkpoint
         checkpoint.check_writable(Path(s.logging.logs))
         self.s = s
         self.info = info = init_distributed(timeout_s=s.dist.dist_timeout)
-        s.logging.name = _broadcast_name(s.logging.name, info)
-        self.run_dir = run_dir = Path(s.logging.logs) / s.logging.name
-        if info.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            write_run_files(run_dir, settings_to_dict(s), resolve_ds_config(s, info.world_size))
-        # open_clip logs its model-building steps at INFO on the root logger: keep those quiet.
-        logging.basicConfig(
-            level=logging.WARNING, format=f"[rank{info.rank}] %(levelname)s %(name)s: %(message)s"
-        )
-        # Rank 0 logs; --log-local: every node's local rank 0 too (open_clip's local masters); --debug: DEBUG.
-        logs_here = info.is_main or (s.logging.log_local and info.local_rank == 0)
-        level = logging.DEBUG if s.logging.debug else logging.INFO
-        logging.getLogger("ds_clip").setLevel(level if logs_here else logging.WARNING)
-        if info.is_main:
-            logger.info("--precision: DeepSpeed %s here (%s)", s.dist.precision, precision_mapping_text())
+        # Resolved once, here, and handed down: the batch geometry and the DeepSpeed side of the run.
+        self.geometry, self.ds = geometry, ds = resolve_run(s, info.world_size)
+        self.run_dir = run_dir = self._open_run_folder()
+        _configure_logging(s.logging, info)
+        self._log_deepspeed()
 
-        self.bundle = bundle = build_model_bundle(s)
+        self.bundle = bundle = build_model_bundle(s.model, seed=s.data.seed)
         check_tokenizer_fits(bundle.model, bundle.tokenizer, s.model.model)  # the data is tokenized by it
-        shapes = checkpoint.param_shapes(
-            bundle.model
-        )  # checked against a checkpoint before DeepSpeed loads it
+        # The parameter shapes are checked against a checkpoint before DeepSpeed loads it.
+        shapes = checkpoint.param_shapes(bundle.model)
         checkpoint.check_output_space(
             run_dir, sum(p.numel() for p in bundle.model.parameters()), s.dist.precision
         )
-        w = info.world_size
-        self.global_batch = w * o.accum_freq * o.batch_size
-        image_size = bundle.model_cfg["vision_cfg"].get("image_size", 224)
-        image_px = image_size if isinstance(image_size, int) else image_size[0]  # open_clip allows (h, w)
-        synthetic = s.data.dataset_type == "synthetic"
         self.data = build_train_data(
-            dataclasses.replace(  # the data section, with the defaults only the model and the type decide
-                s.data,
-                train_num_samples=s.data.train_num_samples
-                or (DEFAULT_SYNTHETIC_SAMPLES if synthetic else None),
-                synthetic_image_size=s.data.synthetic_image_size or image_px,
-            ),
+            _data_section(s.data, _image_px(bundle)),
             preprocess=bundle.preprocess_train,
             tokenizer=bundle.tokenizer,
             rank=info.rank,
-            world_size=w,
-            batch_size=o.batch_size,
-            accum_freq=o.accum_freq,
+            geometry=geometry,
         )
-        self.total_steps = o.max_steps or o.epochs * self.data.steps_per_epoch
+        steps_per_epoch = self.data.steps_per_epoch
+        self.total_steps = s.optim.max_steps or s.optim.epochs * steps_per_epoch
         built = build_engine(
-            s, bundle, rank=info.rank, world_size=w, total_steps=self.total_steps,
-            steps_per_epoch=self.data.steps_per_epoch,
+            bundle, geometry, ds, model=s.model, optim=s.optim, loss=s.loss, seed=s.data.seed, rank=info.rank,
+            total_steps=self.total_steps, steps_per_epoch=steps_per_epoch,
         )  # fmt: skip
         self.engine, self.loss_fn = built.engine, built.loss_fn
         self.caption_fn, self.teacher = built.caption_fn, built.teacher
 
-        import open_clip
-
         self.checkpointer = Checkpointer(
-            self.engine,
-            run_dir,
-            self.data,
-            settings=settings_to_dict(s),
-            meta={
-                "accum_freq": o.accum_freq,
-                "micro_batch_size": o.batch_size,
-                "precision": s.dist.precision,
-                "model": s.model.model,
-                "model_cfg": bundle.model_cfg,
-                "preprocess_cfg": open_clip.get_model_preprocess_cfg(bundle.model),
-            },
-            every_n_steps=ck.save_every_n_steps,
-            keep=1 if ck.delete_previous_checkpoint else ck.keep_checkpoints,
-            global_batch=self.global_batch,
-            every_n_epochs=ck.save_frequency,
-            most_recent=ck.save_most_recent,
-            steps_per_epoch=self.data.steps_per_epoch,
-        )
-        self.evaluator = Evaluator(
-            self.engine,
-            self._eval_settings(image_px),
-            preprocess=bundle.preprocess_val,
-            tokenizer=bundle.tokenizer,
-            run_dir=run_dir,
-            every_n_steps=s.eval.val_every_n_steps,
-            is_main=info.is_main,
-            val_every_n_epochs=s.eval.val_frequency,
-            zeroshot_every_n_epochs=s.eval.zeroshot_frequency,
-            steps_per_epoch=self.data.steps_per_epoch,
-            imagenet={
-                flag: folder
-                for flag, folder in (
-                    ("--imagenet-val", s.eval.imagenet_val),
-                    ("--imagenet-v2", s.eval.imagenet_v2),
-                )
-                if folder is not None
-            },
-            batch_size=o.batch_size,
-        )
+            self.engine, run_dir, self.data, s.checkpoint, geometry=geometry, settings=settings_to_dict(s),
+            meta=_checkpoint_meta(s.model, s.dist.precision, bundle), steps_per_epoch=steps_per_epoch,
+        )  # fmt: skip
+        self.evaluator = self._build_evaluator(_image_px(bundle))
         self.start_step = (
-            self.checkpointer.resume(ck.resume, shapes=shapes, is_main=info.is_main) if ck.resume else 0
+            self.checkpointer.resume(s.checkpoint.resume, shapes=shapes, is_main=info.is_main)
+            if s.checkpoint.resume
+            else 0
         )
         self.meter = StepMeter(
-            every_n_steps=s.logging.log_every_n_steps, total_steps=self.total_steps,
-            global_batch=self.global_batch, world_size=w,
-        )  # fmt: skip
-        self.skips = SkipPolicy(max_in_a_row=o.max_skipped_steps, run_dir=run_dir, is_main=info.is_main)
-        if info.is_main and info.hosts is not None:
-            logger.info("%s", info.hosts.describe())
+            every_n_steps=s.logging.log_every_n_steps, total_steps=self.total_steps, geometry=geometry
+        )
+        self.skips = SkipPolicy(max_in_a_row=s.optim.max_skipped_steps, run_dir=run_dir, is_main=info.is_main)
+        self._log_plan()
+
+    def _open_run_folder(self) -> Path:
+        """The run folder <logs>/<name> (rank 0's name on every rank); rank 0 writes the run files into it."""
+        lg, info = self.s.logging, self.info
+        lg.name = _broadcast_name(lg.name, info)
+        run_dir = Path(lg.logs) / lg.name
         if info.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            write_run_files(run_dir, settings_to_dict(self.s), self.ds)
+        return run_dir
+
+    def _log_deepspeed(self) -> None:
+        """Rank 0: the precision DeepSpeed runs, the preset and why it is the default, coalescing's fallback."""
+        if not self.info.is_main:
+            return
+        ds = self.ds
+        logger.info("--precision: DeepSpeed %s here (%s)", self.s.dist.precision, precision_mapping_text())
+        if ds.default_reason is not None:
             logger.info(
-                "world size %d, micro-batch m=%d, accum-freq k=%d: global batch N=W*k*m=%d pairs per optimizer "
-                "step; %d steps per epoch, %d steps in total; run folder %s",
-                w, o.batch_size, o.accum_freq, self.global_batch, self.data.steps_per_epoch, self.total_steps,
-                run_dir,
-            )  # fmt: skip
+                "DeepSpeed preset %s (the default; --ds-config to choose): %s", ds.preset, ds.default_reason
+            )
+        if ds.coalesce_fallback is not None:
+            logger.info("--coalesce-grad-reduction auto: off here, %s", ds.coalesce_fallback)
+
+    def _log_plan(self) -> None:
+        info = self.info
+        if not info.is_main:
+            return
+        if info.hosts is not None:
+            logger.info("%s", info.hosts.describe())
+        logger.info(
+            "%s; %d steps per epoch, %d steps in total; run folder %s",
+            self.geometry.describe(), self.data.steps_per_epoch, self.total_steps, self.run_dir,
+        )  # fmt: skip
+
+    def _build_evaluator(self, image_px: int) -> Evaluator:
+        ev, info = self.s.eval, self.info
+        imagenet = {
+            flag: folder
+            for flag, folder in (("--imagenet-val", ev.imagenet_val), ("--imagenet-v2", ev.imagenet_v2))
+            if folder is not None
+        }
+        return Evaluator(
+            self.engine,
+            self._eval_settings(image_px),
+            preprocess=self.bundle.preprocess_val,
+            tokenizer=self.bundle.tokenizer,
+            run_dir=self.run_dir,
+            every_n_steps=ev.val_every_n_steps,
+            is_main=info.is_main,
+            val_every_n_epochs=ev.val_frequency,
+            zeroshot_every_n_epochs=ev.zeroshot_frequency,
+            steps_per_epoch=self.data.steps_per_epoch,
+            imagenet=imagenet,
+            batch_size=self.geometry.micro_batch_size,
+        )
 
     def _eval_settings(self, image_px: int) -> evaluate.EvalSettings | None:
         if self.s.eval.zeroshot_classes:
@@ -318,8 +315,46 @@ class Trainer:
 
     def _summary(self, step: int) -> TrainSummary:
         return TrainSummary(
-            step, step * self.global_batch, self.meter.final_loss(), self.run_dir, self.skips.total
+            step, step * self.geometry.global_batch, self.meter.final_loss(), self.run_dir, self.skips.total
         )
+
+
+def _configure_logging(lg: LoggingSettings, info: DistInfo) -> None:
+    """Rank 0 logs; --log-local: every node's local rank 0 too (open_clip's local masters); --debug: DEBUG."""
+    # open_clip logs its model-building steps at INFO on the root logger: keep those quiet.
+    logging.basicConfig(
+        level=logging.WARNING, format=f"[rank{info.rank}] %(levelname)s %(name)s: %(message)s"
+    )
+    logs_here = info.is_main or (lg.log_local and info.local_rank == 0)
+    level = logging.DEBUG if lg.debug else logging.INFO
+    logging.getLogger("ds_clip").setLevel(level if logs_here else logging.WARNING)
+
+
+def _image_px(bundle: ModelBundle) -> int:
+    image_size = bundle.model_cfg["vision_cfg"].get("image_size", 224)
+    return image_size if isinstance(image_size, int) else image_size[0]  # open_clip allows (h, w)
+
+
+def _data_section(d: DataSettings, image_px: int) -> DataSettings:
+    """The data section with the defaults only the model and the data type decide."""
+    synthetic = d.dataset_type == "synthetic"
+    return dataclasses.replace(
+        d,
+        train_num_samples=d.train_num_samples or (DEFAULT_SYNTHETIC_SAMPLES if synthetic else None),
+        synthetic_image_size=d.synthetic_image_size or image_px,
+    )
+
+
+def _checkpoint_meta(m: ModelSettings, precision: str, bundle: ModelBundle) -> dict[str, Any]:
+    """What each checkpoint records besides the batch geometry: enough to export or rebuild the model."""
+    import open_clip
+
+    return {
+        "precision": precision,
+        "model": m.model,
+        "model_cfg": bundle.model_cfg,
+        "preprocess_cfg": open_clip.get_model_preprocess_cfg(bundle.model),
+    }
 
 
 def train(s: TrainSettings) -> TrainSummary:

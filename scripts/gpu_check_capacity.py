@@ -68,15 +68,17 @@ class Bench:
     def __init__(self, argv: list[str]) -> None:
         from ds_clip.config import parse_settings
         from ds_clip.distributed import device, init_distributed
-        from ds_clip.engine import build_engine, build_model_bundle
+        from ds_clip.engine import build_engine, build_model_bundle, resolve_run
         from ds_clip.step import input_dtype
 
-        self.settings = parse_settings(argv)
+        self.settings = s = parse_settings(argv)
         info = init_distributed()
-        self.bundle = build_model_bundle(self.settings)
+        self.bundle = build_model_bundle(s.model, seed=s.data.seed)
+        geometry, ds = resolve_run(s, info.world_size)
         built = build_engine(
-            self.settings, self.bundle, rank=info.rank, world_size=info.world_size, total_steps=10**6
-        )
+            self.bundle, geometry, ds, model=s.model, optim=s.optim, loss=s.loss, seed=s.data.seed,
+            rank=info.rank, total_steps=10**6,
+        )  # fmt: skip
         self.engine, self.loss_fn, self.ds_json = built.engine, built.loss_fn, built.ds_config
         self.engine.train()
         self.device = device()

@@ -134,7 +134,7 @@ def _clamp_case(model: str, zero: int, precision: str) -> dict:
 
     from ds_clip.clamp import clamp_logit_scale, full_fp32_master
     from ds_clip.config import parse_settings
-    from ds_clip.engine import build_engine, build_model_bundle
+    from ds_clip.engine import build_engine, build_model_bundle, resolve_run
     from ds_clip.step import cached_step, input_dtype
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -142,8 +142,12 @@ def _clamp_case(model: str, zero: int, precision: str) -> dict:
         ["--model", model, "--zero-stage", str(zero), "--precision", precision, "--batch-size", "4",
          "--lr", "5e-2", "--warmup", "0", "--workers", "0", "--logs", "/tmp/unused"]
     )  # fmt: skip
-    bundle = build_model_bundle(s)
-    built = build_engine(s, bundle, rank=rank, world_size=world, total_steps=10)
+    bundle = build_model_bundle(s.model, seed=s.data.seed)
+    geometry, ds = resolve_run(s, world)
+    built = build_engine(
+        bundle, geometry, ds, model=s.model, optim=s.optim, loss=s.loss, seed=s.data.seed,
+        rank=rank, total_steps=10,
+    )  # fmt: skip
     engine = built.engine
     before = float(full_fp32_master(engine, "logit_scale").reshape(()))
     images, texts = _clamp_pairs(bundle, rank * (CLAMP_BATCH // world), CLAMP_BATCH // world)
@@ -172,13 +176,17 @@ def _engine_embeddings(model: str, run_dir: Path, zero: int) -> dict:
     import torch.distributed as dist
 
     from ds_clip.config import parse_settings
-    from ds_clip.engine import build_engine, build_model_bundle
+    from ds_clip.engine import build_engine, build_model_bundle, resolve_run
     from ds_clip.step import cached_step
 
     rank = dist.get_rank()
     s = parse_settings(["--model", model, "--zero-stage", str(zero), "--batch-size", str(M), "--lr", "1e-2"])
-    bundle = build_model_bundle(s)
-    built = build_engine(s, bundle, rank=rank, world_size=2, total_steps=10)
+    bundle = build_model_bundle(s.model, seed=s.data.seed)
+    geometry, ds = resolve_run(s, 2)
+    built = build_engine(
+        bundle, geometry, ds, model=s.model, optim=s.optim, loss=s.loss, seed=s.data.seed,
+        rank=rank, total_steps=10,
+    )  # fmt: skip
     engine = built.engine
     images, texts = _probe_batch(bundle, offset=rank * M, count=M)
     cached_step(engine, [(images, texts)], built.loss_fn)

@@ -27,10 +27,10 @@ from ds_clip.config import (
 )
 from ds_clip.ds_config import (
     PRESET_DIR,
-    coalesce_fallback,
     default_preset,
     list_presets,
     load_preset,
+    resolve_deepspeed,
     resolve_ds_config,
     write_run_files,
 )
@@ -153,8 +153,13 @@ def test_default_preset_follows_the_world_size_and_explicit_choices_stand():
     cfg = resolve_ds_config(parse_settings(["--zero-stage", "0"]), 1)
     assert cfg["zero_optimization"] == {**load_preset("zero1_fp32")["zero_optimization"], "stage": 0}
     # auto finds no ZeRO optimizer to coalesce on one default process, and says so.
-    assert "ZeRO stage 0" in coalesce_fallback(parse_settings(["--coalesce-grad-reduction", "auto"]), 1)
-    assert coalesce_fallback(parse_settings(["--coalesce-grad-reduction", "auto"]), 2) is None
+    auto = parse_settings(["--coalesce-grad-reduction", "auto"])
+    assert "ZeRO stage 0" in resolve_deepspeed(auto, 1).coalesce_fallback
+    assert resolve_deepspeed(auto, 2).coalesce_fallback is None
+    # The resolved value says which preset and why (the start-up log line), and nothing when it was chosen.
+    resolved = resolve_deepspeed(parse_settings([]), 1)
+    assert (resolved.preset, resolved.default_reason) == default_preset(parse_settings([]), 1)
+    assert resolve_deepspeed(parse_settings(["--ds-config", "zero2_fp32"]), 1).default_reason is None
 
 
 def test_resolve_does_not_mutate_the_preset_and_is_repeatable():
@@ -482,9 +487,10 @@ def test_offload_needs_a_zero_stage_that_supports_it():
 
 def test_write_run_files_writes_settings_and_ds_config(tmp_path):
     s = parse_settings(["--name", "r", "--ds-config", "zero2_bf16", "--accum-freq", "4"])
-    cfg = resolve_ds_config(s, world_size=2)
+    ds = resolve_deepspeed(s, world_size=2)
+    cfg = ds.config
     run_dir = tmp_path / "logs" / s.logging.name
-    write_run_files(run_dir, settings_to_dict(s), cfg)
+    write_run_files(run_dir, settings_to_dict(s), ds)
     saved = json.loads((run_dir / "settings.json").read_text())
     assert saved["accum_freq"] == 4 and saved["ds_config"] == "zero2_bf16"
     assert TrainSettings.of(**saved) == s  # a faithful dump: the settings read back are the settings
@@ -563,11 +569,12 @@ def test_data_flags_reach_the_data_section():
     from torchvision.transforms import ToTensor
 
     from ds_clip.data import build_train_data
+    from ds_clip.geometry import BatchGeometry
 
     s = parse_settings(["--synthetic-image-size", "32", "--workers", "0", "--train-num-samples", "4"])
     data = build_train_data(
         s.data, preprocess=ToTensor(), tokenizer=lambda caps: torch.zeros(len(caps), 4, dtype=torch.long),
-        rank=0, world_size=1, batch_size=2, accum_freq=1,
+        rank=0, geometry=BatchGeometry(world_size=1, accum_freq=1, micro_batch_size=2),
     )  # fmt: skip
     images, _ = next(iter(data.iter_epoch(0))).micro_batches[0]
     assert tuple(images.shape) == (2, 3, 32, 32)

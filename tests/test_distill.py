@@ -198,15 +198,15 @@ def test_build_teacher_is_frozen_eval_and_leaves_the_rng_alone(tmp_path):
     student = _dir(tmp_path, "student", CONFIGS["vit"], weights=False)
     teacher_dir = _dir(tmp_path, "teacher", TEACHER)
     s = parse_settings(["--model", student, "--distill-model", teacher_dir])
-    bundle = build_model_bundle(s)
+    bundle = build_model_bundle(s.model, seed=s.data.seed)
     before = torch.get_rng_state()
-    teacher = build_teacher(s, bundle)
+    teacher = build_teacher(s.model, bundle, seed=s.data.seed)
     assert torch.equal(torch.get_rng_state(), before)
     assert not teacher.model.training and not any(p.requires_grad for p in teacher.model.parameters())
     saved = load_file(str(tmp_path / "teacher" / "open_clip_model.safetensors"))
     state = teacher.model.state_dict()
     assert all(torch.equal(state[k], v) for k, v in saved.items())
-    assert build_teacher(parse_settings(["--model", student]), bundle) is None
+    assert build_teacher(parse_settings(["--model", student]).model, bundle, seed=s.data.seed) is None
 
 
 @pytest.mark.parametrize(
@@ -229,10 +229,10 @@ def test_teacher_reading_other_inputs_is_refused(tmp_path, change, needle):
     teacher = _dir(tmp_path, "teacher", {**TEACHER, **change})
     s = parse_settings(["--model", student, "--distill-model", teacher])
     with pytest.raises(UserError) as e:
-        build_teacher(s, build_model_bundle(s))
+        build_teacher(s.model, build_model_bundle(s.model, seed=s.data.seed), seed=s.data.seed)
     assert f"--distill-model {teacher}" in str(e.value) and needle in str(e.value), str(e.value)
     mean = parse_settings(
         ["--model", student, "--distill-model", _dir(tmp_path, "t2", TEACHER), "--image-mean", "0.5"]
     )
     with pytest.raises(UserError, match="image mean"):
-        build_teacher(mean, build_model_bundle(mean))
+        build_teacher(mean.model, build_model_bundle(mean.model, seed=mean.data.seed), seed=mean.data.seed)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ds_clip.config import parse_settings
+from ds_clip.geometry import BatchGeometry
 from ds_clip.testing import E2E_MODEL
 
 FLAGS = [
@@ -67,7 +68,7 @@ def test_flags_reach_the_model_and_both_transforms(model_dir):
 
     from ds_clip.engine import build_model_bundle
 
-    b = build_model_bundle(parse_settings(["--model", model_dir, *FLAGS]))
+    b = build_model_bundle(parse_settings(["--model", model_dir, *FLAGS]).model, seed=0)
     assert tuple(b.model.visual.image_size) == (48, 48)
     assert b.model.visual.patch_dropout.prob == 0.5
     assert b.model_cfg["vision_cfg"]["image_size"] == 48 and b.model_cfg["vision_cfg"]["patch_dropout"] == 0.5
@@ -101,9 +102,9 @@ def test_force_patch_dropout_zero_turns_it_off(tmp_path):
 
     model = f"local-dir:{tmp_path}"
     assert type(
-        build_model_bundle(parse_settings(["--model", model])).model.visual.patch_dropout
+        build_model_bundle(parse_settings(["--model", model]).model, seed=0).model.visual.patch_dropout
     ).__name__ == ("PatchDropout")
-    b = build_model_bundle(parse_settings(["--model", model, "--force-patch-dropout", "0"]))
+    b = build_model_bundle(parse_settings(["--model", model, "--force-patch-dropout", "0"]).model, seed=0)
     assert isinstance(b.model.visual.patch_dropout, torch.nn.Identity)
 
 
@@ -115,10 +116,9 @@ def _first_images(model_dir: str, workers: int, epoch: int = 0) -> torch.Tensor:
         ["--model", model_dir, *FLAGS, "--workers", str(workers), "--train-num-samples", "8", "--seed", "5",
          "--synthetic-image-size", "64"]
     )  # fmt: skip
-    b = build_model_bundle(s)
+    b = build_model_bundle(s.model, seed=s.data.seed)
     data = build_train_data(
-        s.data, preprocess=b.preprocess_train, tokenizer=b.tokenizer, rank=0, world_size=1, batch_size=4,
-        accum_freq=1,
+        s.data, preprocess=b.preprocess_train, tokenizer=b.tokenizer, rank=0, geometry=BatchGeometry(1, 1, 4),
     )  # fmt: skip
     return torch.cat([step.micro_batches[0][0] for step in data.iter_epoch(epoch)])
 

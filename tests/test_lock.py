@@ -33,7 +33,7 @@ def test_lock_flags_freeze_what_open_clips_own_methods_freeze():
 
     argv = ["--lock-image", "--lock-image-unlocked-groups", "2", "--lock-text", "--lock-text-unlocked-layers", "1",
             "--lock-text-freeze-layer-norm"]  # fmt: skip
-    ours = build_model_bundle(parse_settings(argv)).model
+    ours = build_model_bundle(parse_settings(argv).model, seed=0).model
     ref = open_clip.create_model("ds-clip-tiny")
     ref.lock_image_tower(unlocked_groups=2)
     ref.lock_text_tower(unlocked_layers=1, freeze_layer_norm=True)
@@ -43,11 +43,11 @@ def test_lock_flags_freeze_what_open_clips_own_methods_freeze():
     assert ours.logit_scale.requires_grad
     assert frozen_towers(ours) == (False, False)  # partly unlocked: both recomputed
 
-    full = build_model_bundle(parse_settings(["--lock-image"])).model
+    full = build_model_bundle(parse_settings(["--lock-image"]).model, seed=0).model
     assert frozen_towers(full) == (True, False)
     assert not any(p.requires_grad for p in full.visual.parameters())
     both = build_model_bundle(
-        parse_settings(["--lock-image", "--lock-text", "--lock-text-freeze-layer-norm"])
+        parse_settings(["--lock-image", "--lock-text", "--lock-text-freeze-layer-norm"]).model, seed=0
     )
     assert frozen_towers(both.model) == (True, True)
     assert [n for n, p in both.model.named_parameters() if p.requires_grad] == ["logit_scale"]
@@ -61,7 +61,7 @@ def test_freeze_bn_stats_replaces_batchnorm_as_open_clip_does(tmp_path):
     )
     model = f"local-dir:{tmp_path}"
     argv = ["--model", model, "--lock-image", "--lock-image-freeze-bn-stats"]
-    visual = build_model_bundle(parse_settings(argv)).model.visual
+    visual = build_model_bundle(parse_settings(argv).model, seed=0).model.visual
     kinds = {type(m).__name__ for m in visual.modules()}
     assert "FrozenBatchNorm2d" in kinds and "BatchNorm2d" not in kinds
 
@@ -92,13 +92,13 @@ def test_what_a_tower_refuses_is_a_user_error_naming_the_flag(tmp_path):
     from ds_clip.errors import UserError
 
     with pytest.raises(UserError, match="add --lock-text-freeze-layer-norm"):
-        build_model_bundle(parse_settings(["--lock-text"]))
+        build_model_bundle(parse_settings(["--lock-text"]).model, seed=0)
     (tmp_path / "open_clip_config.json").write_text(
         json.dumps({"model_cfg": CONFIGS["resnet_bn"], "preprocess_cfg": {}})
     )
     argv = ["--model", f"local-dir:{tmp_path}", "--lock-image", "--lock-image-unlocked-groups", "1"]
     with pytest.raises(UserError, match="--lock-image-unlocked-groups 1: this image tower"):
-        build_model_bundle(parse_settings(argv))
+        build_model_bundle(parse_settings(argv).model, seed=0)
 
 
 # ------------------------------------------------------------------------------------- on the engine
@@ -142,7 +142,7 @@ def _engine_runs(model: str, cases: list) -> list[dict]:
     import torch.distributed as dist
 
     from ds_clip import distributed
-    from ds_clip.engine import build_engine, build_model_bundle
+    from ds_clip.engine import build_engine, build_model_bundle, resolve_run
     from ds_clip.step import cached_step, micro_batch_seed
     from ds_clip.testing import FLAT_SCHEDULE_STEPS, full_params, step_micro_batches, train_argv
 
@@ -156,8 +156,12 @@ def _engine_runs(model: str, cases: list) -> list[dict]:
         )  # fmt: skip
         partial = ["--lock-image-unlocked-groups", "2"] if tower == PARTIAL else []
         s = parse_settings(train_argv(spec) + partial)
-        bundle = build_model_bundle(s)
-        engine = build_engine(s, bundle, rank=rank, world_size=world, total_steps=FLAT_SCHEDULE_STEPS)
+        bundle = build_model_bundle(s.model, seed=s.data.seed)
+        geometry, ds = resolve_run(s, world)
+        engine = build_engine(
+            bundle, geometry, ds, model=s.model, optim=s.optim, loss=s.loss, seed=s.data.seed,
+            rank=rank, total_steps=FLAT_SCHEDULE_STEPS,
+        )  # fmt: skip
         engine, loss_fn = engine.engine, engine.loss_fn
         locked = sorted(n for n, p in engine.module.named_parameters() if not p.requires_grad)
         before = full_params(engine)

@@ -18,7 +18,7 @@ import pytest
 
 from ds_clip import train
 from ds_clip.config import ANSWERED, TrainSettings, build_parser, flags, parse_settings
-from ds_clip.ds_config import optimizer_blocker, resolve_ds_config
+from ds_clip.ds_config import resolve_deepspeed, resolve_ds_config
 from ds_clip.presets import PRECISION_MAP, SettingsError
 from tests.test_config import _doc_generator  # scripts/gen_configuration_doc.py also reads open_clip's parser
 
@@ -181,14 +181,14 @@ def test_what_deepspeed_cannot_build_on_the_cpu_is_refused():
     """Measured on DeepSpeed 0.19.8's CPU accelerator: Lamb (FusedLamb) and Lion without offload (FusedLion)
     have no CPU kernel; Lion under offload runs DeepSpeed's CPU Lion. On CUDA all build."""
 
-    def why(*argv):
-        return optimizer_blocker(parse_settings(list(argv)), "cpu")
+    def why(*argv, accelerator="cpu"):
+        return resolve_deepspeed(parse_settings(list(argv)), None, accelerator=accelerator).optimizer_blocker
 
     assert "FusedLamb" in why("--opt", "lamb")
     assert "zero2_offload_fp32" in why("--opt", "lion")
     assert why("--opt", "lion", "--ds-config", "zero2_offload_fp32") is None
     assert why("--opt", "sgd") is None and why() is None
-    assert optimizer_blocker(parse_settings(["--opt", "lamb"]), "cuda") is None
+    assert why("--opt", "lamb", accelerator="cuda") is None
 
 
 def test_dry_run_prints_settings_and_json_and_starts_nothing(capsys, monkeypatch):
@@ -235,7 +235,7 @@ def test_model_flags_reach_open_clip():
             "squash",
         ]
     )
-    b = build_model_bundle(s)
+    b = build_model_bundle(s.model, seed=s.data.seed)
     assert isinstance(b.model, open_clip.CustomTextCLIP)
     assert any(isinstance(m, open_clip.model.QuickGELU) for m in b.model.modules())
     assert b.tokenizer(["a photo"]).shape[-1] == 16
@@ -440,7 +440,7 @@ def test_use_bn_sync_converts_batchnorm_and_is_refused_on_the_cpu(tmp_path, caps
     on GPUs it is not refused (the GPU run itself is not checked here: no GPU on the CI machines)."""
     import torch
 
-    from ds_clip.ds_config import bn_sync_blocker
+    from ds_clip.ds_config import resolve_deepspeed as resolve
     from ds_clip.engine import build_model_bundle
     from ds_clip.testing import write_model_dirs
 
@@ -448,12 +448,13 @@ def test_use_bn_sync_converts_batchnorm_and_is_refused_on_the_cpu(tmp_path, caps
     s = parse_settings(["--model", model, "--use-bn-sync"])
     bns = [
         m
-        for m in build_model_bundle(s).model.modules()
+        for m in build_model_bundle(s.model, seed=s.data.seed).model.modules()
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
     ]
     assert bns and all(isinstance(m, torch.nn.SyncBatchNorm) for m in bns)
-    assert "GPUs only" in bn_sync_blocker(s, "cpu") and bn_sync_blocker(s, "cuda") is None
-    assert bn_sync_blocker(parse_settings(["--model", model]), "cpu") is None
+    assert "GPUs only" in resolve(s, None, accelerator="cpu").bn_sync_blocker
+    assert resolve(s, None, accelerator="cuda").bn_sync_blocker is None
+    assert resolve(parse_settings(["--model", model]), None, accelerator="cpu").bn_sync_blocker is None
     if not torch.cuda.is_available():  # (DeepSpeed's accelerator is the CPU here)
         assert train.main(["--dry-run", "--model", model, "--use-bn-sync"]) == 2
         assert "--use-bn-sync on the CPU" in capsys.readouterr().err

@@ -170,7 +170,7 @@ def _group_engines(model: str) -> list[dict]:
     """Every rank: for each preset, build the trainer's engine from the flags, take one optimizer step."""
     import torch.distributed as dist
 
-    from ds_clip.engine import build_engine, build_model_bundle
+    from ds_clip.engine import build_engine, build_model_bundle, resolve_run
     from ds_clip.step import cached_step
     from ds_clip.testing import full_params
 
@@ -188,10 +188,14 @@ def _group_engines(model: str) -> list[dict]:
             "--eps", "1e-4", "--workers", "0",
         ]  # fmt: skip
         s = parse_settings(argv)
-        bundle = build_model_bundle(s)
+        bundle = build_model_bundle(s.model, seed=s.data.seed)
         groups, infos = param_groups_for(bundle.model, s.optim)
         logged.clear()
-        built = build_engine(s, bundle, rank=rank, world_size=world, total_steps=10)
+        geometry, ds = resolve_run(s, world)
+        built = build_engine(
+            bundle, geometry, ds, model=s.model, optim=s.optim, loss=s.loss, seed=s.data.seed,
+            rank=rank, total_steps=10,
+        )  # fmt: skip
         tables: list = [None] * world  # the table logged by each rank while building
         dist.all_gather_object(tables, [m for m in logged if "optimizer parameter groups" in m])
         engine = built.engine

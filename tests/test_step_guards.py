@@ -66,11 +66,15 @@ def _engine(model: str, *extra: str):
     import torch.distributed as dist
 
     from ds_clip.config import parse_settings
-    from ds_clip.engine import build_engine, build_model_bundle
+    from ds_clip.engine import build_engine, build_model_bundle, resolve_run
 
     s = parse_settings(["--model", model, "--batch-size", "2", "--workers", "0", *extra])
-    bundle = build_model_bundle(s)
-    built = build_engine(s, bundle, rank=dist.get_rank(), world_size=dist.get_world_size(), total_steps=10)
+    bundle = build_model_bundle(s.model, seed=s.data.seed)
+    geometry, ds = resolve_run(s, dist.get_world_size())
+    built = build_engine(
+        bundle, geometry, ds, model=s.model, optim=s.optim, loss=s.loss, seed=s.data.seed,
+        rank=dist.get_rank(), total_steps=10,
+    )  # fmt: skip
     return bundle, built
 
 
@@ -279,7 +283,7 @@ def test_coalesce_on_is_refused_where_deepspeed_does_not_allow_it(argv, reason, 
     managed accumulation off): ds-clip-train exits 2 before any process starts, with one line naming the flag
     and the reason. auto resolves the same settings to an engine without coalescing."""
     from ds_clip.config import parse_settings
-    from ds_clip.ds_config import coalesce_fallback, resolve_ds_config
+    from ds_clip.ds_config import resolve_deepspeed, resolve_ds_config
     from ds_clip.train import main
 
     presets = {
@@ -296,7 +300,7 @@ def test_coalesce_on_is_refused_where_deepspeed_does_not_allow_it(argv, reason, 
     assert err.count("\n") == 0 and "--coalesce-grad-reduction on" in err and reason in err, err
     auto = parse_settings([*argv, "--coalesce-grad-reduction", "auto"])
     assert resolve_ds_config(auto, world_size=2)["managed_gradient_accumulation"] is False
-    assert reason in coalesce_fallback(auto)
+    assert reason in resolve_deepspeed(auto, None).coalesce_fallback
 
 
 def test_coalesce_on_resolves_managed_accumulation_on_zero_1_to_3():
@@ -304,7 +308,7 @@ def test_coalesce_on_resolves_managed_accumulation_on_zero_1_to_3():
     engine with managed accumulation (what coalesce_grad_reduction() asserts) and nothing to log; off keeps
     the unmanaged boundary."""
     from ds_clip.config import parse_settings
-    from ds_clip.ds_config import coalesce_fallback, resolve_ds_config
+    from ds_clip.ds_config import resolve_deepspeed, resolve_ds_config
 
     for extra in (
         ["--zero-stage", "1"],
@@ -318,7 +322,7 @@ def test_coalesce_on_resolves_managed_accumulation_on_zero_1_to_3():
                 extra,
                 mode,
             )
-            assert coalesce_fallback(s) is None
+            assert resolve_deepspeed(s, None).coalesce_fallback is None
 
 
 def test_fp16_overflow_is_a_skipped_step_with_the_schedule_held(results):

@@ -1,6 +1,7 @@
-"""What both loaders share: the step batch, the batch geometry, the loader base class, the data error.
+"""What the loaders share: the step batch, the loader base class, the data error.
 
-`DataSettings` is the `data` section of the training settings (ds_clip.config), used as it is.
+`DataSettings` is the `data` section of the training settings (ds_clip.config), used as it is; the batch
+geometry (W, k, m) is the run's `ds_clip.geometry.BatchGeometry`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from ds_clip.config import DATASET_TYPES, DataSettings, SettingsError, check_data
 from ds_clip.errors import UserError
+from ds_clip.geometry import BatchGeometry
 
 logger = logging.getLogger("ds_clip.data")
 
@@ -68,23 +70,6 @@ def loader_generator(*parts: object) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
-@dataclass
-class _Geometry:
-    """The batch arithmetic shared by both kinds of data."""
-
-    rank: int
-    world_size: int
-    micro_batch_size: int  # m
-    accum_freq: int  # k
-
-    @property
-    def global_batch(self) -> int:  # N = W*k*m
-        return self.world_size * self.accum_freq * self.micro_batch_size
-
-    def micro_batch_ids(self) -> list[int]:
-        return [self.rank * self.accum_freq + j for j in range(self.accum_freq)]
-
-
 class TrainData:
     """Base of the two loaders. Subclasses set samples_per_epoch, steps_per_epoch, iter_epoch."""
 
@@ -93,8 +78,8 @@ class TrainData:
     steps_per_epoch: int
     """Optimizer steps per epoch, equal on every rank."""
 
-    def __init__(self, geometry: _Geometry) -> None:
-        self.geometry = geometry
+    def __init__(self, geometry: BatchGeometry, rank: int) -> None:
+        self.geometry, self.rank = geometry, rank
         self.skip_counts: dict[str, int] = {}
         self.epoch = 0
         self.step_in_epoch = 0

@@ -37,7 +37,6 @@ from ds_clip.data.base import (
     DataSettings,
     StepBatch,
     TrainData,
-    _Geometry,
     check_data_settings,
     loader_generator,
     prefetch_factor,
@@ -45,6 +44,7 @@ from ds_clip.data.base import (
 from ds_clip.data.synthetic import SyntheticCaptions
 from ds_clip.data.table import CsvPairs, Report, check_image_paths, read_table
 from ds_clip.data.wds import WebDatasetTrainData
+from ds_clip.geometry import BatchGeometry
 
 logger = logging.getLogger("ds_clip.data")
 
@@ -56,8 +56,8 @@ _LOGGED_PER_REASON = 5  # replaced-row messages logged per reason and epoch; the
 class _StepIndexSampler:
     """Batch sampler of map-style data: yields the m dataset indices of each micro-batch of this rank."""
 
-    def __init__(self, geometry: _Geometry, base: int, start_step: int, steps: int) -> None:
-        self.g, self.base, self.start_step, self.steps = geometry, base, start_step, steps
+    def __init__(self, geometry: BatchGeometry, rank: int, base: int, start_step: int, steps: int) -> None:
+        self.g, self.rank, self.base, self.start_step, self.steps = geometry, rank, base, start_step, steps
 
     def __len__(self) -> int:
         return (self.steps - self.start_step) * self.g.accum_freq
@@ -65,7 +65,7 @@ class _StepIndexSampler:
     def __iter__(self) -> Iterator[list[int]]:
         g, m, n = self.g, self.g.micro_batch_size, self.g.global_batch
         for s in range(self.start_step, self.steps):
-            for gid in g.micro_batch_ids():
+            for gid in g.micro_batch_ids(self.rank):
                 first = self.base + s * n + gid * m
                 yield list(range(first, first + m))
 
@@ -96,7 +96,7 @@ class _MapTrainData(TrainData):
     def iter_epoch(self, epoch: int, start_step: int = 0) -> Iterator[StepBatch]:
         self._check_start(epoch, start_step)
         g = self.geometry
-        sampler = _StepIndexSampler(g, self._first_index(epoch), start_step, self.steps_per_epoch)
+        sampler = _StepIndexSampler(g, self.rank, self._first_index(epoch), start_step, self.steps_per_epoch)
         dataset = copy.copy(self.dataset)
         dataset.epoch = epoch  # a fresh copy per epoch: workers get it pickled (or forked) with the epoch set
         loader = torch.utils.data.DataLoader(
@@ -108,9 +108,9 @@ class _MapTrainData(TrainData):
             pin_memory=torch.cuda.is_available(),
             persistent_workers=False,
             prefetch_factor=prefetch_factor(g.accum_freq, self.workers),
-            generator=loader_generator(self.seed, epoch, g.rank, start_step),
+            generator=loader_generator(self.seed, epoch, self.rank, start_step),
         )
-        ids = g.micro_batch_ids()
+        ids = g.micro_batch_ids(self.rank)
         micro: list[tuple[torch.Tensor, torch.Tensor]] = []
         step = start_step
         skips_before = dict(self.skip_counts)
@@ -127,7 +127,7 @@ class _MapTrainData(TrainData):
             k: v - skips_before.get(k, 0) for k, v in self.skip_counts.items() if v != skips_before.get(k, 0)
         }
         if new:
-            logger.warning("rank %d epoch %d: replaced bad rows: %s", g.rank, epoch, new)
+            logger.warning("rank %d epoch %d: replaced bad rows: %s", self.rank, epoch, new)
 
     def _count(self, reports: list[Report], logged: dict[str, int]) -> None:
         # One writer: the main process counts and logs what the workers report with each micro-batch.
@@ -140,7 +140,7 @@ class _MapTrainData(TrainData):
                 last = " (further ones this epoch only counted)" if seen == _LOGGED_PER_REASON - 1 else ""
                 logger.warning(
                     "rank %d: %s; the next row of the epoch's order trained instead%s",
-                    self.geometry.rank,
+                    self.rank,
                     message,
                     last,
                 )
@@ -154,11 +154,12 @@ class SyntheticTrainData(_MapTrainData):
     def __init__(
         self,
         settings: DataSettings,
-        geometry: _Geometry,
+        geometry: BatchGeometry,
+        rank: int,
         preprocess: Callable[[Image.Image], torch.Tensor],
         tokenizer: Callable[[list[str]], Any],
     ) -> None:
-        super().__init__(geometry)
+        super().__init__(geometry, rank)
         assert settings.train_num_samples is not None  # validated
         n = geometry.global_batch
         self.steps_per_epoch = settings.train_num_samples // n
@@ -200,11 +201,12 @@ class CsvTrainData(_MapTrainData):
     def __init__(
         self,
         settings: DataSettings,
-        geometry: _Geometry,
+        geometry: BatchGeometry,
+        rank: int,
         preprocess: Callable[[Image.Image], torch.Tensor],
         tokenizer: Callable[[list[str]], Any],
     ) -> None:
-        super().__init__(geometry)
+        super().__init__(geometry, rank)
         assert settings.train_data is not None  # validated
         self.source = settings.train_data
         paths, captions = read_table(
@@ -255,28 +257,22 @@ def build_train_data(
     preprocess: Callable[[Image.Image], torch.Tensor],
     tokenizer: Callable[[list[str]], Any],
     rank: int,
-    world_size: int,
-    batch_size: int,
-    accum_freq: int,
+    geometry: BatchGeometry,
 ) -> TrainData:
-    """Build this rank's loader. `batch_size` is the micro-batch size m per rank, `accum_freq` is k.
+    """Build rank ``rank``'s loader of the run's ``geometry``: k micro-batches of m pairs per step on each of
+    the W ranks.
 
     Pass the user's train transform as `preprocess`, unchanged: the loader wraps it in a SeededTransform
     with `settings.seed` itself (an already wrapped one is not wrapped twice).
     """
     check_data_settings(settings)
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise DataError(f"rank {rank} is not in a world of size {world_size}")
-    if batch_size < 1:
-        raise DataError(f"--batch-size must be >= 1, got {batch_size}")
-    if accum_freq < 1:
-        raise DataError(f"--accum-freq must be >= 1, got {accum_freq}")
-    geometry = _Geometry(rank=rank, world_size=world_size, micro_batch_size=batch_size, accum_freq=accum_freq)
+    if not 0 <= rank < geometry.world_size:
+        raise DataError(f"rank {rank} is not in a world of size {geometry.world_size}")
     if settings.dataset_type == "synthetic":
-        return SyntheticTrainData(settings, geometry, preprocess, tokenizer)
+        return SyntheticTrainData(settings, geometry, rank, preprocess, tokenizer)
     if settings.dataset_type == "csv":
-        return CsvTrainData(settings, geometry, preprocess, tokenizer)
-    return WebDatasetTrainData(settings, geometry, preprocess, tokenizer)
+        return CsvTrainData(settings, geometry, rank, preprocess, tokenizer)
+    return WebDatasetTrainData(settings, geometry, rank, preprocess, tokenizer)
 
 
 __all__ = [

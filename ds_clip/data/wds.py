@@ -50,10 +50,10 @@ from ds_clip.data.base import (
     DataSettings,
     StepBatch,
     TrainData,
-    _Geometry,
     loader_generator,
     prefetch_factor,
 )
+from ds_clip.geometry import BatchGeometry
 from ds_clip.urls import ShardPatternError, expand_shards
 
 logger = logging.getLogger("ds_clip.data")
@@ -455,11 +455,12 @@ class WebDatasetTrainData(TrainData):
     def __init__(
         self,
         settings: DataSettings,
-        geometry: _Geometry,
+        geometry: BatchGeometry,
+        rank: int,
         preprocess: Callable[[Image.Image], torch.Tensor],
         tokenizer: Callable[[list[str]], Any],
     ) -> None:
-        super().__init__(geometry)
+        super().__init__(geometry, rank)
         assert settings.train_data is not None  # validated
         self.settings = settings
         self.workers = settings.workers
@@ -502,7 +503,7 @@ class WebDatasetTrainData(TrainData):
             )
         self._pipeline = _Pipeline(
             urls=self.urls,
-            rank=geometry.rank,
+            rank=rank,
             workers=self.workers,
             micro_batch_size=geometry.micro_batch_size,
             seed=settings.seed,
@@ -525,7 +526,7 @@ class WebDatasetTrainData(TrainData):
         order = list(range(len(self.urls)))
         random.Random(_seed("order", self.settings.seed, epoch)).shuffle(order)
         micro_per_rank = self.steps_per_epoch * g.accum_freq
-        rank_start = g.rank * micro_per_rank * g.micro_batch_size
+        rank_start = self.rank * micro_per_rank * g.micro_batch_size
         ranges, start = [], rank_start
         for w in range(nw):  # worker w gets micro-batches w, w+nw, ... of the rank: as many as it serves
             count = micro_per_rank // nw + (1 if w < micro_per_rank % nw else 0)
@@ -566,7 +567,7 @@ class WebDatasetTrainData(TrainData):
             persistent_workers=False,
             prefetch_factor=prefetch_factor(self.geometry.accum_freq, self.workers),
             generator=loader_generator(
-                self.settings.seed, plan.epoch, self.geometry.rank, first_worker, plan.raw_skip, plan.count
+                self.settings.seed, plan.epoch, self.rank, first_worker, plan.raw_skip, plan.count
             ),
         )
         queues: list[deque] = [deque() for _ in range(nw)]
@@ -591,7 +592,7 @@ class WebDatasetTrainData(TrainData):
                 for reason, n in meta["skips"].items():
                     self.skip_counts[reason] = self.skip_counts.get(reason, 0) + n
                 for message in meta["messages"]:
-                    logger.warning("rank %d: %s", self.geometry.rank, message)
+                    logger.warning("rank %d: %s", self.rank, message)
                 if "fatal" in meta:
                     raise DataError(f"--train-data {self.settings.train_data!r}: {meta['fatal']}")
                 if meta.get("end"):
@@ -630,7 +631,7 @@ class WebDatasetTrainData(TrainData):
             logger.warning(
                 "rank %d epoch %d: bad samples left this rank %d pairs short of its %d steps; repeating pairs "
                 "from the start of its share so that all ranks take the same steps (skipped so far: %s)",
-                g.rank,
+                self.rank,
                 epoch,
                 short,
                 self.steps_per_epoch,
@@ -639,7 +640,7 @@ class WebDatasetTrainData(TrainData):
             carry, got = yield from self._take(self._refill(refill, carry), needed - produced)
             if got == 0:
                 raise DataError(
-                    f"--train-data {self.settings.train_data!r}: rank {g.rank} found no valid sample in its "
+                    f"--train-data {self.settings.train_data!r}: rank {self.rank} found no valid sample in its "
                     f"share of epoch {epoch} (skipped: {self.skip_counts})"
                 )
             produced += got
@@ -686,13 +687,15 @@ class WebDatasetTrainData(TrainData):
             if len(micro) == g.accum_freq:
                 # Counted as trained once handed out: a state_dict() taken after this step resumes after it.
                 self._advance(epoch, step)
-                yield StepBatch(micro_batches=micro, micro_batch_ids=g.micro_batch_ids(), step_in_epoch=step)
+                yield StepBatch(
+                    micro_batches=micro, micro_batch_ids=g.micro_batch_ids(self.rank), step_in_epoch=step
+                )
                 micro, step = [], step + 1
         new = {
             k: v - skips_before.get(k, 0) for k, v in self.skip_counts.items() if v != skips_before.get(k, 0)
         }
         if new:
-            logger.warning("rank %d epoch %d: skipped bad samples: %s", g.rank, epoch, new)
+            logger.warning("rank %d epoch %d: skipped bad samples: %s", self.rank, epoch, new)
 
     def _advance(self, epoch: int, step: int) -> None:
         super()._advance(epoch, step)
@@ -707,7 +710,7 @@ class WebDatasetTrainData(TrainData):
         state.update(
             mode="resampled" if self.resampled else "exact",
             workers=self.workers,
-            rank=self.geometry.rank,
+            rank=self.rank,
             raw_pos=list(self._raw_pos),
         )
         return state
@@ -735,7 +738,7 @@ class WebDatasetTrainData(TrainData):
             state.get("accum_freq"),
             state.get("micro_batch_size"),
         )
-        if same != (g.rank, g.world_size, g.accum_freq, g.micro_batch_size):
+        if same != (self.rank, g.world_size, g.accum_freq, g.micro_batch_size):
             # Another rank's (or another run shape's) positions: count whole micro-batches instead, which
             # is exact unless samples were skipped as bad before the saved step.
             self._resume = None

@@ -28,6 +28,7 @@ from ds_clip.data.augment import SeededTransform
 from ds_clip.data.loader import DataSettings, build_train_data
 from ds_clip.data.synthetic import SyntheticCaptions, render_pair
 from ds_clip.data.wds import SkipCounter, expand_urls, iter_shard
+from ds_clip.geometry import BatchGeometry
 from ds_clip.shards import Sample, write_shards
 from tests.data.tokens import byte_tokenizer, detok
 
@@ -134,9 +135,7 @@ def synthetic_pixels(transform, *, world_size, accum_freq, m, workers, samples=1
             preprocess=transform,
             tokenizer=byte_tokenizer,
             rank=rank,
-            world_size=world_size,
-            batch_size=m,
-            accum_freq=accum_freq,
+            geometry=BatchGeometry(world_size, accum_freq, m),
         )
         for batch in data.iter_epoch(epoch):
             for g, (images, _) in zip(batch.micro_batch_ids, batch.micro_batches):
@@ -177,9 +176,7 @@ def test_synthetic_same_index_same_pixels_for_any_workers_and_any_w_k_m(name):
 @pytest.mark.parametrize("name", LOADER_TRANSFORMS)
 def test_synthetic_resume_mid_epoch_gives_the_same_pixels(name):
     transform = TRANSFORMS[name]()
-    kwargs = dict(
-        preprocess=transform, tokenizer=byte_tokenizer, rank=1, world_size=2, batch_size=2, accum_freq=2
-    )
+    kwargs = dict(preprocess=transform, tokenizer=byte_tokenizer, rank=1, geometry=BatchGeometry(2, 2, 2))
     for workers in (0, 1, 2):
         settings = DataSettings(dataset_type="synthetic", train_num_samples=32, workers=workers, seed=5)
         whole = [b.micro_batches for b in build_train_data(settings, **kwargs).iter_epoch(1)]
@@ -252,9 +249,7 @@ def wds_by_rank(pattern, transform, *, epoch=0, world_size=1, m=2, k=2, workers=
             preprocess=transform,
             tokenizer=byte_tokenizer,
             rank=rank,
-            world_size=world_size,
-            batch_size=m,
-            accum_freq=k,
+            geometry=BatchGeometry(world_size, k, m),
         )
         out.append([])
         for batch in data.iter_epoch(epoch):
@@ -295,9 +290,7 @@ def test_wds_same_url_and_key_same_pixels_for_any_workers_ranks_and_resume(tmp_p
         settings = DataSettings(
             dataset_type="webdataset", train_data=pattern, workers=workers, seed=5, shuffle_buffer=4
         )
-        kwargs = dict(
-            preprocess=transform, tokenizer=byte_tokenizer, world_size=2, batch_size=2, accum_freq=2
-        )
+        kwargs = dict(preprocess=transform, tokenizer=byte_tokenizer, geometry=BatchGeometry(2, 2, 2))
         for rank in range(2):
             whole = [b.micro_batches for b in build_train_data(settings, rank=rank, **kwargs).iter_epoch(0)]
             first = build_train_data(settings, rank=rank, **kwargs)
@@ -344,7 +337,7 @@ def test_wds_resampled_repeats_of_a_sample_in_an_epoch_get_its_one_draw(tmp_path
         dataset_type="webdataset", train_data=pattern, dataset_resampled=True, train_num_samples=40, seed=5
     )
     data = build_train_data(
-        s, preprocess=transform, tokenizer=byte_tokenizer, rank=0, world_size=1, batch_size=4, accum_freq=1
+        s, preprocess=transform, tokenizer=byte_tokenizer, rank=0, geometry=BatchGeometry(1, 1, 4)
     )
     expected = expected_wds(pattern, transform)
     seen = 0

@@ -24,6 +24,7 @@ from PIL import Image
 
 from ds_clip.config import DataSettings, parse_settings
 from ds_clip.data.loader import DataError, build_train_data
+from ds_clip.geometry import BatchGeometry
 from ds_clip.testing import E2E_MODEL
 from ds_clip.train import main as train_main
 from tests.data.tokens import byte_tokenizer, detok
@@ -56,9 +57,7 @@ def build(table: Path, *, rank=0, world_size=1, m=2, k=2, workers=0, **settings)
         preprocess=PREPROCESS,
         tokenizer=byte_tokenizer,
         rank=rank,
-        world_size=world_size,
-        batch_size=m,
-        accum_freq=k,
+        geometry=BatchGeometry(world_size, k, m),
     )
 
 
@@ -68,7 +67,8 @@ def steps_by_g(table: Path, world_size: int, k: int, m: int, workers: int = 0, e
     for rank in range(world_size):
         data = build(table, rank=rank, world_size=world_size, m=m, k=k, workers=workers)
         for batch in data.iter_epoch(epoch):
-            assert len(batch.micro_batches) == k and batch.micro_batch_ids == data.geometry.micro_batch_ids()
+            ids = data.geometry.micro_batch_ids(data.rank)
+            assert len(batch.micro_batches) == k and batch.micro_batch_ids == ids
             for g, (images, texts) in zip(batch.micro_batch_ids, batch.micro_batches):
                 assert images.shape == (m, 3, 8, 8) and texts.shape == (m, 96)
                 out.setdefault(batch.step_in_epoch, {})[g] = ([detok(t) for t in texts], images)

@@ -17,6 +17,7 @@ from PIL import Image
 from ds_clip.data.loader import DataSettings, build_train_data
 from ds_clip.data.synthetic import render_pair
 from ds_clip.data.wds import SkipCounter, iter_shard
+from ds_clip.geometry import BatchGeometry
 from ds_clip.shards import main
 from tests.data.tokens import byte_tokenizer, detok
 
@@ -47,9 +48,7 @@ def pipeline_pairs(output, count: int) -> dict[str, torch.Tensor]:
         preprocess=TO_TENSOR,
         tokenizer=byte_tokenizer,
         rank=0,
-        world_size=1,
-        batch_size=1,
-        accum_freq=1,
+        geometry=BatchGeometry(1, 1, 1),
     )
     assert data.steps_per_epoch == count
     pairs = {}

@@ -16,6 +16,7 @@ import torchvision.transforms as T
 
 from ds_clip.data.loader import DataError, DataSettings, build_train_data
 from ds_clip.data.synthetic import SyntheticCaptions, render_pair
+from ds_clip.geometry import BatchGeometry
 from tests.data.tokens import byte_tokenizer, detok
 
 PREPROCESS = T.Compose([T.Resize((16, 16)), T.ToTensor()])
@@ -31,9 +32,7 @@ def steps_by_g(world_size: int, accum_freq: int, m: int, samples: int, workers: 
             preprocess=PREPROCESS,
             tokenizer=byte_tokenizer,
             rank=rank,
-            world_size=world_size,
-            batch_size=m,
-            accum_freq=accum_freq,
+            geometry=BatchGeometry(world_size, accum_freq, m),
         )
         for batch in data.iter_epoch(epoch):
             assert len(batch.micro_batches) == accum_freq
@@ -96,9 +95,7 @@ def test_epochs_use_fresh_indices_and_start_step_resumes():
         preprocess=PREPROCESS,
         tokenizer=byte_tokenizer,
         rank=1,
-        world_size=2,
-        batch_size=2,
-        accum_freq=2,
+        geometry=BatchGeometry(2, 2, 2),
     )
     full = [[detok(t) for _, tx in b.micro_batches for t in tx] for b in data.iter_epoch(0)]
     assert data.state_dict()["epoch"] == 1 and data.state_dict()["step_in_epoch"] == 0
@@ -112,14 +109,14 @@ def test_epochs_use_fresh_indices_and_start_step_resumes():
 
 def test_leftover_is_logged_and_too_small_epoch_is_an_error(caplog):
     settings = DataSettings(dataset_type="synthetic", train_num_samples=42)
-    kwargs = dict(preprocess=PREPROCESS, tokenizer=byte_tokenizer, rank=0, world_size=2, batch_size=2)
+    kwargs = dict(preprocess=PREPROCESS, tokenizer=byte_tokenizer, rank=0, geometry=BatchGeometry(2, 2, 2))
     with caplog.at_level(logging.WARNING, logger="ds_clip.data"):
-        data = build_train_data(settings, accum_freq=2, **kwargs)
+        data = build_train_data(settings, **kwargs)
     assert data.steps_per_epoch == 5 and data.samples_per_epoch == 40
     assert "2 fewer" in caplog.text
     with pytest.raises(DataError, match="--train-num-samples"):
-        build_train_data(DataSettings(dataset_type="synthetic", train_num_samples=7), accum_freq=2, **kwargs)
+        build_train_data(DataSettings(dataset_type="synthetic", train_num_samples=7), **kwargs)
     with pytest.raises(DataError, match="--train-num-samples"):
-        build_train_data(DataSettings(dataset_type="synthetic"), accum_freq=2, **kwargs)
+        build_train_data(DataSettings(dataset_type="synthetic"), **kwargs)
     with pytest.raises(DataError, match="--dataset-type"):
-        build_train_data(DataSettings(dataset_type="csv", train_num_samples=8), accum_freq=2, **kwargs)
+        build_train_data(DataSettings(dataset_type="csv", train_num_samples=8), **kwargs)

@@ -18,6 +18,7 @@ from PIL import Image
 
 from ds_clip.data.loader import DataSettings, build_train_data
 from ds_clip.data.synthetic import render_pair
+from ds_clip.geometry import BatchGeometry
 from ds_clip.shards import Sample, write_shards
 from ds_clip.testing import E2E_MODEL
 from ds_clip.train import main as train_main
@@ -61,9 +62,7 @@ def source_shares(pattern: str, factors: str | None, samples: int = 10_000) -> d
         preprocess=PREPROCESS,
         tokenizer=byte_tokenizer,
         rank=0,
-        world_size=1,
-        batch_size=200,
-        accum_freq=1,
+        geometry=BatchGeometry(1, 1, 200),
     )
     counts = Counter(detok(t) for b in data.iter_epoch(0) for _, texts in b.micro_batches for t in texts)
     total = sum(counts.values())

@@ -20,6 +20,7 @@ import webdataset as wds
 from PIL import Image
 
 from ds_clip.data.loader import DataError, DataSettings, build_train_data
+from ds_clip.geometry import BatchGeometry
 from ds_clip.shards import Sample, write_shards
 from tests.data.tokens import byte_tokenizer, detok
 
@@ -49,9 +50,7 @@ def build(pattern: str, *, rank=0, world_size=1, m=2, k=2, workers=0, **settings
         preprocess=PREPROCESS,
         tokenizer=byte_tokenizer,
         rank=rank,
-        world_size=world_size,
-        batch_size=m,
-        accum_freq=k,
+        geometry=BatchGeometry(world_size, k, m),
     )
 
 
@@ -60,7 +59,7 @@ def captions(data, epoch: int, start_step: int = 0, stop_after: int | None = Non
     out = []
     for batch in data.iter_epoch(epoch, start_step):
         assert len(batch.micro_batches) == data.geometry.accum_freq
-        assert batch.micro_batch_ids == data.geometry.micro_batch_ids()
+        assert batch.micro_batch_ids == data.geometry.micro_batch_ids(data.rank)
         for images, _ in batch.micro_batches:
             assert images.shape == (data.geometry.micro_batch_size, 3, 8, 8)
         out.append([detok(t) for _, texts in batch.micro_batches for t in texts])
@@ -197,9 +196,7 @@ def test_patterns_that_match_nothing_are_errors_naming_them(tmp_path):
             preprocess=PREPROCESS,
             tokenizer=byte_tokenizer,
             rank=0,
-            world_size=1,
-            batch_size=1,
-            accum_freq=1,
+            geometry=BatchGeometry(1, 1, 1),
         )
 
 
