@@ -144,6 +144,12 @@ def build_engine(
     groups, group_table = param_groups_for(bundle.model, optim)
     schedule = schedule_for(optim, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
     if rank == 0:
+        if ds.default_reason is not None:
+            logger.info(
+                "DeepSpeed preset %s (the default; --ds-config to choose): %s", ds.preset, ds.default_reason
+            )
+        if ds.coalesce_fallback is not None:
+            logger.info("--coalesce-grad-reduction auto: off here, %s", ds.coalesce_fallback)
         schedule_name = "no" if optim.skip_scheduler else optim.lr_scheduler
         logger.info(
             "optimizer parameter groups (--opt %s: DeepSpeed %s; peak lr; %s schedule):\n%s",

@@ -112,7 +112,7 @@ class Trainer:
         self.geometry, self.ds = geometry, ds = resolve_run(s, info.world_size)
         self.run_dir = run_dir = self._open_run_folder()
         _configure_logging(s.logging, info)
-        self._log_deepspeed()
+        self._log_precision()
 
         self.bundle = bundle = build_model_bundle(s.model, seed=s.data.seed)
         check_tokenizer_fits(bundle.model, bundle.tokenizer, s.model.model)  # the data is tokenized by it
@@ -163,18 +163,11 @@ class Trainer:
             write_run_files(run_dir, settings_to_dict(self.s), self.ds)
         return run_dir
 
-    def _log_deepspeed(self) -> None:
-        """Rank 0: the precision DeepSpeed runs, the preset and why it is the default, coalescing's fallback."""
-        if not self.info.is_main:
-            return
-        ds = self.ds
-        logger.info("--precision: DeepSpeed %s here (%s)", self.s.dist.precision, precision_mapping_text())
-        if ds.default_reason is not None:
+    def _log_precision(self) -> None:
+        if self.info.is_main:
             logger.info(
-                "DeepSpeed preset %s (the default; --ds-config to choose): %s", ds.preset, ds.default_reason
+                "--precision: DeepSpeed %s here (%s)", self.s.dist.precision, precision_mapping_text()
             )
-        if ds.coalesce_fallback is not None:
-            logger.info("--coalesce-grad-reduction auto: off here, %s", ds.coalesce_fallback)
 
     def _log_plan(self) -> None:
         info = self.info
