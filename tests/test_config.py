@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_clip import ds_config as dsc
+from ds_clip import ds_rules as dsc  # where the step's keys and the rules that merge them live
 from ds_clip.config import (
     SettingsError,
     TrainSettings,
