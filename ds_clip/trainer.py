@@ -30,7 +30,8 @@ from ds_clip.metrics import MetricsWriter, StepMeter
 from ds_clip.model import check_tokenizer_fits
 from ds_clip.preemption import StopRequest
 from ds_clip.presets import precision_mapping_text
-from ds_clip.step import StepResult, UntrainedOutputError, cached_step, micro_batch_seed
+from ds_clip.step import StepResult, cached_step, micro_batch_seed
+from ds_clip.step_checks import UntrainedOutputError
 
 logger = logging.getLogger("ds_clip")
 

@@ -86,7 +86,8 @@ def _pairs(bundle, first: int, count: int):
 def _group(model: str, fp16_config: str | None) -> dict:
     import torch.distributed as dist
 
-    from ds_clip.step import MicroBatchSizeError, cached_step
+    from ds_clip.step import cached_step
+    from ds_clip.step_checks import MicroBatchSizeError
 
     rank = dist.get_rank()
     out: dict = {}
@@ -173,7 +174,7 @@ def _own_engine_cases(model_name: str) -> dict:
     from ds_clip import ContrastiveLoss, LossSpec, cached_step, prepare_for_deepspeed, step_engine_config
     from ds_clip.loss import LossConfigError
     from ds_clip.model import build_model
-    from ds_clip.step import EngineConfigError
+    from ds_clip.step_checks import EngineConfigError
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = {
