@@ -156,7 +156,9 @@ class Towers:
             skipped, recompute = None, True
         return cls(not image_frozen, not text_frozen, skipped, recompute)
 
-    def cache_forward(self, engine, inputs: dict[str, torch.Tensor], device) -> tuple[dict, RngState]:
+    def cache_forward(
+        self, engine, inputs: dict[str, torch.Tensor], device: torch.device
+    ) -> tuple[dict, RngState]:
         """Phase 1's forward of one micro-batch (under no_grad), and the RNG state its recompute restores."""
         if self.skipped == "image" and self.text_trained:
             image = engine(image=inputs["image"])["image_features"]
@@ -175,7 +177,9 @@ class Towers:
             return {"image": inputs["image"]}
         return inputs
 
-    def surrogate(self, out: dict, g_image: torch.Tensor, g_text: torch.Tensor, device) -> torch.Tensor:
+    def surrogate(
+        self, out: dict, g_image: torch.Tensor, g_text: torch.Tensor, device: torch.device
+    ) -> torch.Tensor:
         """⟨features, ∂L/∂features⟩ of the trained towers, in fp32."""
         surrogate = torch.zeros((), device=device)
         if self.image_trained:
@@ -208,7 +212,15 @@ class Plan:
     teacher: Teacher | None
 
     @classmethod
-    def decide(cls, engine, loss_fn: ContrastiveLoss, sizes: list[int], seeds, caption, teacher) -> Plan:
+    def decide(
+        cls,
+        engine,
+        loss_fn: ContrastiveLoss,
+        sizes: list[int],
+        seeds: Sequence[int] | None,
+        caption: CaptionLoss | None,
+        teacher: Teacher | None,
+    ) -> Plan:
         return cls(
             sizes=sizes,
             device=torch.device(engine.device),
