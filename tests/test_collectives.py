@@ -262,7 +262,7 @@ def _rank_main(rank: int, world: int, port: int, report: str) -> None:
 
 
 def _check_helpers(D, rank: int, world: int) -> None:
-    sim = D.SimulatedDeviceTensor
+    sim = guard.SimulatedDeviceTensor
     # Reductions: a CPU tensor in -> a plain CPU tensor out; a device tensor stays on the device.
     x = torch.tensor([float(rank + 1), -float(rank)])
     for fn, want in (
