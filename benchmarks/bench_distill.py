@@ -104,7 +104,7 @@ def _teacher_cfg(kind: str) -> dict[str, Any]:
 
 
 def _write_teacher(root: Path, cfg: dict[str, Any]) -> str:
-    from ds_clip.testing import write_pretrained_dir
+    from ds_clip_harness.models import write_pretrained_dir
 
     return write_pretrained_dir(root / "teacher", cfg, seed=0)
 

@@ -178,7 +178,7 @@ class Trial:
 
 
 def write_model_dirs(root: Path) -> dict[str, str]:
-    """LOSS -> 'local-dir:ROOT/LOSS' (open_clip_config.json, as ds_clip/testing.py writes its models)."""
+    """LOSS -> 'local-dir:ROOT/LOSS' (open_clip_config.json, as ds_clip_harness.models writes its models)."""
     out = {}
     for loss in LOSSES:
         cfg = dict(LARGEST_MODEL, **(SIGLIP_INIT if loss == "siglip" else {}))

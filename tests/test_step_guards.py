@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_clip.testing import E2E_MODEL, spawn_group
+from ds_clip_harness.groups import spawn_group
+from ds_clip_harness.models import E2E_MODEL
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -333,7 +334,7 @@ def test_fp16_overflow_is_a_skipped_step_with_the_schedule_held(results):
 
 
 def _alone(model: str) -> dict:
-    from ds_clip.testing import RunSpec, run_in_group
+    from ds_clip_harness.runs import RunSpec, run_in_group
 
     spec = RunSpec(
         model=model, micro_batch_size=2, accum_freq=2, steps=1, zero_stage=0, capture_grads=True,
@@ -347,7 +348,8 @@ def test_one_rank_zero0_reduces_no_gradient_and_stays_exact(tmp_path):
     """W = 1, ZeRO-0: DeepSpeed's all-reduce of the flattened gradient (the identity on one rank) is
     skipped: no gradient bytes pass through a collective, and the step's gradient still equals open_clip's
     full-batch gradient in one process (fp32, relative error <= 1e-5 per parameter)."""
-    from ds_clip.testing import oracle_errors, oracle_first_step, write_model_dirs
+    from ds_clip_harness.models import write_model_dirs
+    from ds_clip_harness.oracle import oracle_errors, oracle_first_step
 
     models = write_model_dirs(tmp_path)
     out = spawn_group(1, _alone, models["vit"])
