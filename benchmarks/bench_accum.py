@@ -57,6 +57,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as a script: ds_clip_harness (not installed) must import
+    sys.path.insert(0, str(REPO_ROOT))
+
 MIB = 1024 * 1024
 
 # Extra model configs the benchmark registers with open_clip (in a folder it writes), so that our
@@ -415,7 +419,7 @@ def _run_one_engine(
     from ds_clip.config import parse_settings
     from ds_clip.engine import build_engine, build_model_bundle, resolve_run
     from ds_clip.step import cached_step, input_dtype
-    from ds_clip.testing import FLAT_SCHEDULE_STEPS, RunSpec, generated_pairs, train_argv
+    from ds_clip_harness.runs import FLAT_SCHEDULE_STEPS, RunSpec, generated_pairs, train_argv
 
     name = resolve_model(model_name, settings.image_size)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -782,7 +786,7 @@ def _engine_group(settings: BenchSettings, rep: int) -> list[Measurement]:
 
 def run_benchmark(settings: BenchSettings, log=print) -> list[Measurement]:
     """All configurations; each repeat starts fresh processes, ours and open_clip's alternating."""
-    from ds_clip.testing import spawn_group
+    from ds_clip_harness.groups import spawn_group
 
     # spawn_group's workers pin one thread each; threads>1 is set again inside each worker.
     results: list[Measurement] = []

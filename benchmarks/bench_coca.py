@@ -90,7 +90,7 @@ def _ours_entry(payload: dict) -> dict[str, Any]:
     from ds_clip.config import parse_settings
     from ds_clip.engine import build_engine, build_model_bundle, resolve_run
     from ds_clip.step import cached_step
-    from ds_clip.testing import generated_pairs
+    from ds_clip_harness.runs import generated_pairs
 
     torch.set_num_threads(payload["threads"])
     register_model()
@@ -149,7 +149,7 @@ def _ours_entry(payload: dict) -> dict[str, Any]:
 
 
 def run_ours(settings: BenchSettings, k: int) -> list[Measurement]:
-    from ds_clip.testing import spawn_group
+    from ds_clip_harness.groups import spawn_group
 
     payload = dict(
         m=settings.micro_batch_size, k=k, steps=settings.steps, warmup=settings.warmup,

@@ -6,7 +6,7 @@ to the same run without a teacher.
     python benchmarks/bench_distill.py --teacher student-size --json docs/bench/distill_cpu_same_size.json
 
 Each measurement is one ds-clip-train run (the real trainer, ``ds_clip.trainer.Trainer``, one rank, no
-launcher) in a fresh process with ds-clip-train's defaults (ds-clip-tiny, m = 8, ZeRO-1 fp32, synthetic data)
+launcher) in a fresh process with ds-clip-train's defaults (ds-clip-tiny, m = 8, ZeRO-0 fp32, synthetic data)
 plus ``--accum-freq`` (default 4) and ``--max-steps``; "teacher" runs add ``--distill-model`` with a teacher
 of the student's image size and tokenizer, random weights saved as an open_clip folder (the cost does not
 depend on what the weights are): ``--teacher bench-small`` (default; bench_accum's config, 4 layers of width
@@ -104,7 +104,7 @@ def _teacher_cfg(kind: str) -> dict[str, Any]:
 
 
 def _write_teacher(root: Path, cfg: dict[str, Any]) -> str:
-    from ds_clip.testing import write_pretrained_dir
+    from ds_clip_harness.models import write_pretrained_dir
 
     return write_pretrained_dir(root / "teacher", cfg, seed=0)
 

@@ -28,7 +28,7 @@ How it measures, and why that way:
 
 * Every trial (method, loss, N) runs in a fresh process, so its peak memory is its own. The parent polls
   the memory of the trial's whole process tree (VmRSS of the trainer plus the pages private to each
-  descendant, every ``--poll`` seconds: see ``tree_rss_bytes``) and kills the tree (its own session)
+  descendant, every ``--poll`` seconds: see ``tree_rss_bytes``) and kills the tree (its own process group)
   as soon as it exceeds ``--memory-budget``: "over memory budget". After the trial the peak is the
   larger of the polled peak and ``os.wait4``'s ``ru_maxrss`` (exact, for the largest single process):
   a spike between two polls still marks the trial over budget. The peak includes each trainer's
@@ -178,7 +178,7 @@ class Trial:
 
 
 def write_model_dirs(root: Path) -> dict[str, str]:
-    """LOSS -> 'local-dir:ROOT/LOSS' (open_clip_config.json, as ds_clip/testing.py writes its models)."""
+    """LOSS -> 'local-dir:ROOT/LOSS' (open_clip_config.json, as ds_clip_harness.models writes its models)."""
     out = {}
     for loss in LOSSES:
         cfg = dict(LARGEST_MODEL, **(SIGLIP_INIT if loss == "siglip" else {}))
@@ -428,7 +428,7 @@ def _logged_times(metrics_csv: str) -> tuple[list[float], list[float]]:
 
 
 def run_trial(method: str, loss: str, n: int, s: LargestSettings, models: dict[str, str], log=print) -> Trial:
-    """One trial in a fresh process (its own session, so that the watchdog can kill the whole tree)."""
+    """One trial in a fresh process (its own process group, so that the watchdog can kill the whole tree)."""
     m = s.micro_batch_size
     budget = s.memory_budget_gib * GIB
     with tempfile.TemporaryDirectory(prefix="largest_") as tmp:
@@ -483,7 +483,7 @@ def run_trial(method: str, loss: str, n: int, s: LargestSettings, models: dict[s
                         detail = f"trial still running after {wall_limit:g} s (start-up and data loading)"
                 if killed:
                     with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)  # the trial's own session: it and its children
+                        os.killpg(proc.pid, signal.SIGKILL)  # the trial's process group: it and its children
                     _, wstatus, usage = os.wait4(proc.pid, 0)
                     break
                 time.sleep(s.poll_s)

@@ -18,8 +18,13 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as a script: ds_clip_harness (not installed) must import
+    sys.path.insert(0, str(REPO_ROOT))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     import ds_clip.step as step_mod
     from ds_clip.config import parse_settings
     from ds_clip.engine import build_engine, build_model_bundle, resolve_run
-    from ds_clip.testing import RunSpec, step_micro_batches
+    from ds_clip_harness.runs import RunSpec, step_micro_batches
 
     flags = ["--model", args.model, "--lock-image", "--batch-size", str(args.batch_size), "--accum-freq",
              str(args.accum_freq), "--zero-stage", "0", "--workers", "0", "--warmup", "0"]  # fmt: skip

@@ -13,12 +13,11 @@ in, a CPU tensor out; a device tensor stays on the device. No other ds_clip modu
 the package's source for that (tests/test_collectives.py), and a guard (tests/collective_guard.py)
 runs the trainer, evaluation and checkpoints with every collective recorded.
 
-The guard needs "on the accelerator" to be observable on a CPU-only machine. With the environment
-variable ``DS_CLIP_COLLECTIVE_GUARD=1`` and a CPU accelerator, placement returns a
-``SimulatedDeviceTensor`` (same storage, a subclass that survives every op and turns back into a
-plain tensor on ``.cpu()`` / ``.to("cpu")``): a tensor handed to a collective that never went
-through ``to_device`` is a plain tensor, exactly the one NCCL would refuse. Without the variable,
-or on a GPU, placement is ``t.to(device())`` and nothing else changes.
+The guard needs "on the accelerator" to be observable on a CPU-only machine: it replaces placement
+through ``set_placement`` with a simulated device (a tensor subclass that survives every op and turns back
+into a plain tensor on ``.cpu()``), so a tensor handed to a collective that never went through
+``to_device`` is a plain tensor, exactly the one NCCL would refuse. A run never sets it: placement is
+``t.to(device())`` behind one ``is None`` check.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -173,10 +172,6 @@ def rank() -> int:
 
 # ------------------------------------------------------------------------------------------- placement
 
-GUARD_ENV = "DS_CLIP_COLLECTIVE_GUARD"
-"""Set to 1 (tests only) to make placement on a CPU accelerator observable: see the module docstring."""
-
-
 WORLD_OF_ONE_ENV = "DS_CLIP_COLLECTIVES_IN_WORLD_OF_ONE"
 """Set to 1 to make the helpers issue their collectives in a process group of one rank too (by default a
 world of one issues none): scripts/gpu_check.sh uses it so that a 1-GPU NCCL run exercises every one."""
@@ -196,51 +191,38 @@ def device() -> torch.device:
     return torch.device(get_accelerator().current_device_name())
 
 
-class SimulatedDeviceTensor(torch.Tensor):
-    """A CPU tensor standing for one on the accelerator (guarded CPU runs only, ``GUARD_ENV``).
+class Placement(Protocol):
+    """What ``to_device`` returns and what ``is_on_device`` accepts, where ``set_placement`` replaces them."""
 
-    Results of ops on it are of this class too (torch's default ``__torch_function__``), as results on a
-    GPU stay on the GPU; ``.cpu()``, ``.to("cpu")`` and ``.to(plain_tensor)`` return a plain tensor, as a
-    copy to the host would. Tensors created without it (``torch.tensor(...)``, ``torch.zeros(...)``) are
-    plain: "on the host" for the guard.
-    """
+    def to_device(self, t: torch.Tensor) -> torch.Tensor: ...
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.cpu or (func is torch.Tensor.to and _to_host(args, kwargs)):
-            with torch._C.DisableTorchFunctionSubclass():
-                out = func(*args, **kwargs)
-            return out.as_subclass(torch.Tensor)
-        return super().__torch_function__(func, types, args, kwargs)
+    def is_on_device(self, t: torch.Tensor) -> bool: ...
 
 
-def _to_host(args: tuple, kwargs: dict) -> bool:
-    target = kwargs.get("device")
-    for a in args[1:]:
-        if isinstance(a, torch.Tensor):
-            return not isinstance(a, SimulatedDeviceTensor)
-        if isinstance(a, (str, torch.device)):
-            target = a
-    return target is not None and torch.device(target).type == "cpu"
+_placement: Placement | None = None
 
 
-def _simulating() -> bool:
-    return os.environ.get(GUARD_ENV) == "1" and device().type == "cpu"
+def set_placement(placement: Placement | None) -> None:
+    """Replace placement on the accelerator's device with ``placement`` (None: ``t.to(device())`` again).
+
+    For the collective guard (tests/collective_guard.py), which makes "on the accelerator" observable on a
+    CPU-only machine; a training run never calls it."""
+    global _placement
+    _placement = placement
 
 
 def is_on_device(t: torch.Tensor) -> bool:
     """Whether ``t`` lives on the accelerator's current device (under the guard: went through ``to_device``)."""
-    if _simulating():
-        return isinstance(t, SimulatedDeviceTensor)
+    if _placement is not None:
+        return _placement.is_on_device(t)
     d = device()
     return t.device.type == d.type and (d.index is None or t.device.index == d.index)
 
 
 def to_device(t: torch.Tensor) -> torch.Tensor:
     """``t`` on the accelerator's current device (no copy if it is there already; autograd-transparent)."""
-    if _simulating():
-        return t if isinstance(t, SimulatedDeviceTensor) else t.as_subclass(SimulatedDeviceTensor)
+    if _placement is not None:
+        return _placement.to_device(t)
     return t.to(device(), non_blocking=True) if not is_on_device(t) else t
 
 
@@ -405,10 +387,9 @@ def all_gather_cat_with_grad(t: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
-    "GUARD_ENV",
     "WORLD_OF_ONE_ENV",
     "DistInfo",
-    "SimulatedDeviceTensor",
+    "Placement",
     "accelerator_name",
     "all_gather_cat",
     "all_gather_cat_with_grad",
@@ -425,6 +406,7 @@ __all__ = [
     "init_distributed",
     "is_on_device",
     "rank",
+    "set_placement",
     "to_device",
     "world_size",
 ]

@@ -9,6 +9,10 @@ STEP is the 0-based index of the batch this process trains (its attempt count): 
 step index while nothing is skipped, and it keeps counting through skipped steps, so "nan@1:1" poisons one
 batch, not every retry of update 2. Several faults are separated by commas. Real faults (a diverging run, a node lost, a preempted
 job, a full disk) are slow and random; these make the same outcomes reproducible in CI.
+
+Off the hot path: ``install(trainer)`` runs once at start and sets the trainer's ``before_step`` hook only when
+the variable is set, so a normal run pays one ``is None`` check per step. A checkpoint save asks
+``maybe_kill("kill-in-save", ...)`` once per save, between the rank files and the completion marker.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 ENV = "DS_CLIP_INJECT_FAULT"
 
@@ -53,7 +60,42 @@ def active(kind: str, step: int, rank: int) -> bool:
     return bool(text) and any(f.fires(kind, step, rank) for f in _parse(text))
 
 
+def _kill(kind: str, step: int, rank: int) -> None:
+    print(f"[fault injection] rank {rank}: SIGKILL at step {step} ({kind})", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def maybe_kill(kind: str, step: int, rank: int) -> None:
     if active(kind, step, rank):
-        print(f"[fault injection] rank {rank}: SIGKILL at step {step} ({kind})", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+        _kill(kind, step, rank)
+
+
+MicroBatches = list[tuple[torch.Tensor, Any]]
+
+
+class StepFaults:
+    """The trainer's ``before_step`` hook: kills this rank ("kill") or feeds NaN images in its first
+    micro-batch ("nan") at the chosen batches; otherwise hands the micro-batches on untouched."""
+
+    def __init__(self, faults: list[Fault]) -> None:
+        self.faults = faults
+
+    def _fires(self, kind: str, attempt: int, rank: int) -> bool:
+        return any(f.fires(kind, attempt, rank) for f in self.faults)
+
+    def __call__(self, micro_batches: MicroBatches, attempt: int, rank: int) -> MicroBatches:
+        """``attempt``: the 0-based batch this process trains (STEP above)."""
+        if self._fires("kill", attempt, rank):
+            _kill("kill", attempt, rank)
+        if self._fires("nan", attempt, rank):
+            images, texts = micro_batches[0]
+            return [(torch.full_like(images, float("nan")), texts), *micro_batches[1:]]
+        return micro_batches
+
+
+def install(trainer: Any) -> None:
+    """Set ``trainer.before_step`` when DS_CLIP_INJECT_FAULT is set (a bad value fails here, at start);
+    leave it None otherwise."""
+    text = os.environ.get(ENV)
+    if text:
+        trainer.before_step = StepFaults(_parse(text))

@@ -1,100 +1,51 @@
-"""One optimizer step of cached-feature gradient accumulation on a DeepSpeed engine.
+"""One optimizer step of cached-feature gradient accumulation on a DeepSpeed engine: ``cached_step``.
 
-The engine runs with ``gradient_accumulation_steps=1`` and ``managed_gradient_accumulation=false``
-(``ds_clip.ds_config.STEP_ENGINE_KEYS``): each ``engine.backward`` only accumulates locally and ``engine.step()``
-is the one accumulation boundary, so DeepSpeed neither drops earlier micro-batches (the ZeRO-1/2
-trap in the facts note) nor miscounts samples (``global_samples`` advances by k·m·W).
-
-With ``--coalesce-grad-reduction`` on (ZeRO 1-3) the config turns managed accumulation on instead
-(``ds_config.COALESCE_ENGINE_KEYS``) and phase 3's k backward passes run inside DeepSpeed's
-``engine.coalesce_grad_reduction()``: each backward leaves its gradient on the parameters, the block's exit
-reduces the sum once, and ``engine.step()`` (outside the block, as DeepSpeed requires) applies it. One
-gradient reduction per step on ZeRO-2/3 too, at the price of holding the full gradient between backwards.
-
-Phases, for k micro-batches of m pairs on each of W ranks (N = W·k·m):
-
-1. Embed. Micro-batch 0 runs forward *with* grad and keeps its graph (it is never recomputed, so
-   k = 1 is exactly a plain step). Micro-batches 1..k-1 run under ``torch.no_grad()`` with their RNG
-   state (CPU and device) recorded and BatchNorm running statistics frozen. A distillation teacher
-   (--distill-model) embeds every micro-batch here too, under no_grad, and nowhere else.
-2. Loss once. The k·m embeddings become fp32 leaves; ``ContrastiveLoss`` gathers the other ranks'
-   embeddings and computes the full-batch loss; ``autograd.grad`` gives g_j = ∂L/∂(embeddings of
-   micro-batch j) and the gradients of logit_scale / logit_bias. The teacher's embeddings and scale
-   enter as constants (open_clip's DistillClipLoss).
-3. Push back. For each micro-batch the surrogate ⟨embeddings_j, g_j⟩ (fp32) is backpropagated
-   through the encoders (micro-batch 0 through its kept graph, the others after recomputing with
-   their RNG state restored). The logit_scale / logit_bias term is added once per step, to
-   micro-batch 0's surrogate. Then one ``engine.step()``.
-
-CoCa (``caption``, see ``ds_clip.caption``): the objective is w_c x the contrastive loss + w_cap x the caption
-cross-entropy over the non-pad tokens of the whole global batch. Phase 1 also computes each micro-batch's
-token-loss sum and token count (the decoder runs in that forward anyway); one 2-element all-reduce gives the
-global count, which phase 3 divides each micro-batch's own token-loss sum by (micro-batch 0: through its kept
-graph; the others: in their recompute). The contrastive part's gradients are scaled by w_c. Every output of
-the model's forward must be consumed by the objective (``check_outputs``), or the step refuses it.
-
-A fully locked tower (``--lock-image`` / ``--lock-text``: no parameter of it trainable) is embedded in phase 1
-only; phase 3 runs just the other tower, with the RNG stream it had in phase 1.
-
-Host syncs (GPU -> CPU waits) per optimizer step, whatever k is: one when W > 1 to agree on the
-micro-batch sizes before the loss's all-gather, one to agree on finiteness before any backward. Nothing
-per micro-batch; the loss and logit_scale stay on the device in ``StepResult`` until the loop logs them.
-
-No I/O and no logging here: the loop owns cadence and side effects.
+Three named phases, as GradCache splits them (the whole story: docs/step.md): ``_embed`` (every micro-batch's
+features, micro-batch 0 with its graph, the others without and with their RNG state recorded) returns a
+``Cache``; ``_full_batch_grads`` computes the loss over all N = W·k·m pairs once, in fp32; ``_push_back``
+backpropagates each micro-batch's surrogate; then one ``engine.step()``. What CoCa's caption term, a
+distillation teacher and locked towers change in a phase is decided once per step, in a ``Plan``.
+At most two host syncs per step, none per micro-batch. No I/O and no logging: the loop owns them.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ds_clip import distributed
 from ds_clip.caption import CaptionLoss
-from ds_clip.errors import UserError
-from ds_clip.loss import ContrastiveLoss, LossConfigError, TeacherFeatures
+from ds_clip.loss import ContrastiveLoss, TeacherFeatures
 from ds_clip.model import Teacher, frozen_towers
+from ds_clip.step_checks import (
+    EngineConfigError,
+    MicroBatchSizeError,
+    UntrainedOutputError,
+    check_engine,
+    check_micro_batch_sizes,
+    check_outputs,
+    check_step_call,
+)
 
-
-class MicroBatchSizeError(UserError):
-    """Ranks (or micro-batches) of one step hold different numbers of pairs: the loss's all-gather needs
-    equal shapes (gloo aborts, NCCL hangs or gathers garbage), so the step refuses before gathering."""
-
-
-class UntrainedOutputError(UserError):
-    """The model's forward returns an output that no objective of this run trains (it would be dropped
-    silently: a CoCa decoder or a SigLIP bias that never learns)."""
-
-
-# What each objective reads from the model's output dict.
-CONTRASTIVE_OUTPUTS = frozenset({"image_features", "text_features", "logit_scale"})
-SIGLIP_OUTPUTS = frozenset({"logit_bias"})
-CAPTION_OUTPUTS = frozenset({"logits", "labels"})
-
-
-def check_outputs(keys, *, siglip: bool, caption: bool) -> None:
-    """Refuse (exit 2) a forward output that this run's objective does not consume."""
-    used = CONTRASTIVE_OUTPUTS | (SIGLIP_OUTPUTS if siglip else frozenset())
-    used |= CAPTION_OUTPUTS if caption else frozenset()
-    extra = sorted(set(keys) - used)
-    if not extra:
-        return
-    objective = "SigLIP" if siglip else "CLIP"
-    hint = ""
-    if "logit_bias" in extra and not siglip:
-        hint = "; a model with a learnable logit_bias is trained with --siglip"
-    elif CAPTION_OUTPUTS & set(extra):
-        hint = (
-            "; ds_clip trains a captioning (CoCa) model's decoder together with the CLIP contrastive loss, "
-            "as open_clip's CoCaLoss does (not with --siglip)"
-        )
-    raise UntrainedOutputError(
-        f"--model: the model's forward returns {', '.join(repr(k) for k in extra)}, which the {objective} "
-        f"objective of this run does not train (ds_clip trains: {', '.join(sorted(used))}){hint}"
-    )
+__all__ = [
+    # The step.
+    "StepResult",
+    "cached_step",
+    "frozen_batchnorm_stats",
+    "input_dtype",
+    "micro_batch_seed",
+    # Its refusals, defined in ds_clip.step_checks (re-exported: ``from ds_clip.step import ...`` keeps working).
+    "EngineConfigError",
+    "MicroBatchSizeError",
+    "UntrainedOutputError",
+    "check_engine",
+    "check_micro_batch_sizes",
+    "check_outputs",
+]
 
 
 @dataclass
@@ -160,18 +111,146 @@ def frozen_batchnorm_stats(module: nn.Module, *, skipped_tower: str | None = Non
             m.track_running_stats = True
 
 
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    # The generator of the engine's own device (not whichever GPU is "current"): patch dropout draws
-    # from the CPU generator, dropout on a GPU from that GPU's.
-    device_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), device_state
+class RngState:
+    """The random streams a forward draws from, captured now and restored before its recompute: the CPU
+    generator (patch dropout draws from it even on a GPU) and the generator of the engine's own device
+    (dropout on a GPU draws from that device's, not from whichever GPU is "current")."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.accelerator = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.cpu = torch.get_rng_state()
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.accelerator is not None:
+            torch.cuda.set_rng_state(self.accelerator, self.device)
 
 
-def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
-    cpu, device_state = state
-    torch.set_rng_state(cpu)
-    if device_state is not None:
-        torch.cuda.set_rng_state(device_state, device)
+@dataclass(frozen=True)
+class Towers:
+    """Which towers are trained and which forward phase 3 recomputes (--lock-image / --lock-text).
+
+    A fully locked tower (no parameter of it trainable) gets no gradient from its embeddings, so phase 3 runs
+    only the other tower's forward (through the engine's top-level forward, which under ZeRO-3 gathers the root
+    parameters): one tower's forward saved per recomputed micro-batch. open_clip's forward runs the image tower
+    first; when the image tower is the skipped one, phase 1 embeds the two towers in two calls and records the
+    RNG state between them, so the text tower's recompute draws what it drew in the cache pass (the stream is
+    the one a joint forward draws). CoCa's decoder reads both towers' tokens and its forward needs the image:
+    one joint forward in both passes whatever is locked (a locked tower then runs without building a graph).
+    """
+
+    image_trained: bool
+    text_trained: bool
+    skipped: str | None
+    """"image" or "text": the locked tower that phase 3 does not run; None: a joint forward."""
+    recompute: bool
+    """False when both towers are locked: micro-batches 1..k-1 are not run again."""
+
+    @classmethod
+    def of(cls, module: nn.Module, *, caption: bool) -> Towers:
+        image_frozen, text_frozen = frozen_towers(module)
+        skipped = "image" if image_frozen else ("text" if text_frozen else None)
+        recompute = not (image_frozen and text_frozen)
+        if caption:
+            skipped, recompute = None, True
+        return cls(not image_frozen, not text_frozen, skipped, recompute)
+
+    def cache_forward(
+        self, engine, inputs: dict[str, torch.Tensor], device: torch.device
+    ) -> tuple[dict, RngState]:
+        """Phase 1's forward of one micro-batch (under no_grad), and the RNG state its recompute restores."""
+        if self.skipped == "image" and self.text_trained:
+            image = engine(image=inputs["image"])["image_features"]
+            rng = RngState(device)
+            return {
+                "image_features": image,
+                "text_features": engine(text=inputs["text"])["text_features"],
+            }, rng
+        rng = RngState(device)
+        return engine(**inputs), rng
+
+    def recompute_inputs(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.skipped == "image":
+            return {"text": inputs["text"]}
+        if self.skipped == "text":
+            return {"image": inputs["image"]}
+        return inputs
+
+    def surrogate(
+        self, out: dict, g_image: torch.Tensor, g_text: torch.Tensor, device: torch.device
+    ) -> torch.Tensor:
+        """⟨features, ∂L/∂features⟩ of the trained towers, in fp32."""
+        surrogate = torch.zeros((), device=device)
+        if self.image_trained:
+            surrogate = surrogate + _dot(out["image_features"], g_image)
+        if self.text_trained:
+            surrogate = surrogate + _dot(out["text_features"], g_text)
+        return surrogate
+
+
+def _dot(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    # fp32 dot so bf16/fp16 embeddings receive their gradient without a low-precision reduction.
+    return (a.float() * g).sum()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the phases of one step run, decided once before the first forward: the inputs' device and dtype,
+    the seeds, the towers (``Towers``), and the objectives that plug in (CoCa's caption term, the teacher)."""
+
+    sizes: list[int]
+    device: torch.device
+    dtype: torch.dtype
+    seeds: Sequence[int] | None
+    siglip: bool
+    coalesce: bool
+    """Managed accumulation is on only when the resolved config coalesces (ds_config): phase 3's backwards then
+    run in one coalescing block (no reduction inside, one on exit) and ``engine.step()`` follows outside it."""
+    towers: Towers
+    caption: CaptionLoss | None
+    teacher: Teacher | None
+
+    @classmethod
+    def decide(
+        cls,
+        engine,
+        loss_fn: ContrastiveLoss,
+        sizes: list[int],
+        seeds: Sequence[int] | None,
+        caption: CaptionLoss | None,
+        teacher: Teacher | None,
+    ) -> Plan:
+        return cls(
+            sizes=sizes,
+            device=torch.device(engine.device),
+            dtype=input_dtype(engine),
+            seeds=seeds,
+            siglip=loss_fn.spec.siglip,
+            coalesce=engine.managed_gradient_accumulation(),
+            towers=Towers.of(engine.module, caption=caption is not None),
+            caption=caption,
+            teacher=teacher,
+        )
+
+    @property
+    def k(self) -> int:
+        return len(self.sizes)
+
+    def seed(self, j: int) -> None:
+        if self.seeds is not None:
+            torch.manual_seed(self.seeds[j])
+
+    def inputs(self, micro_batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # Data offload: the k micro-batches' inputs stay where the loader put them (pinned host memory on
+        # GPUs) and only the one being embedded is on the device, so device memory for inputs does not
+        # grow with k (k-1 extra host-to-device copies per step, asynchronous from pinned memory).
+        images, texts = micro_batch
+        return {"image": _to_device(images, self.device, self.dtype), "text": _to_device(texts, self.device)}
+
+    def contrastive_weight(self) -> float:
+        """CoCa scales the contrastive term, its value and all its gradients (1 without a caption term)."""
+        return self.caption.contrastive_weight if self.caption is not None else 1.0
 
 
 def _to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -179,71 +258,166 @@ def _to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None 
     return t.to(device=device, dtype=dtype, non_blocking=True)
 
 
-def check_micro_batch_sizes(sizes: Sequence[int]) -> None:
-    """Refuse a step whose micro-batches differ in size, on this rank or across ranks.
+@dataclass
+class Cache:
+    """What phase 1 leaves for phases 2 and 3."""
 
-    One 2-int all-reduce (max of max and of -min) and one host sync per step; only when the sizes
-    differ do the ranks exchange their lists to name them. A collective: call on every rank.
-    """
-    lo, hi = min(sizes), max(sizes)
-    if distributed.world_size() > 1:
-        local = distributed.to_device(torch.tensor([hi, -lo], dtype=torch.int64))
-        agreed = distributed.all_reduce_max(local).tolist()  # the one host sync
-        hi, lo = agreed[0], -agreed[1]
-    if lo != hi:
-        per_rank = distributed.all_gather_object(list(sizes)) if distributed.world_size() > 1 else [sizes]
-        shown = "; ".join(f"rank {r}: {list(s)}" for r, s in enumerate(per_rank))
-        raise MicroBatchSizeError(
-            f"micro-batches of one step must all hold the same number of pairs on every rank ({shown}); "
-            "the loaders drop partial batches, so this comes from a custom loader or a mismatched "
-            "--batch-size between ranks"
-        )
-
-
-class EngineConfigError(UserError):
-    """An engine or loss built in a way the step cannot train exactly (a user's own loop: ``step_engine_config``
-    and a ``ContrastiveLoss`` of this process group avoid it; ``ds-clip-train`` builds both right)."""
+    out0: dict[str, torch.Tensor]
+    """Micro-batch 0's outputs, with their graph (it is never recomputed: k = 1 is exactly a plain step)."""
+    images: list[torch.Tensor] = field(default_factory=list)
+    """Each micro-batch's image features, without a graph."""
+    texts: list[torch.Tensor] = field(default_factory=list)
+    rng: list[RngState | None] = field(default_factory=lambda: [None])
+    """The state each micro-batch's recompute restores (micro-batch 0 has none)."""
+    captions: list[torch.Tensor] = field(default_factory=list)
+    """CoCa: [token-loss sum, token count] per micro-batch; micro-batch 0's sum keeps its graph."""
+    caption_total: torch.Tensor | None = None
+    """CoCa: the sum and count over the whole global batch (the count is the term's normaliser)."""
+    teacher_outs: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    teacher: TeacherFeatures | None = None
+    """The teacher's features of all k micro-batches, constants of the loss."""
+    rng_after: RngState | None = None
+    """The streams after phase 1: where the step leaves them, whatever phase 3 drew."""
 
 
-def check_engine(engine, loss_fn: ContrastiveLoss) -> None:
-    """Refuse, before any forward, an engine config or loss that would train something else than the
-    full-batch gradient. Python attributes only: no collective, no host sync."""
-    fix = "build the engine's config with ds_clip.step_engine_config(your_config)"
-    if engine.gradient_accumulation_steps() != 1:
-        raise EngineConfigError(
-            f"the engine has gradient_accumulation_steps={engine.gradient_accumulation_steps()} (its backward "
-            f"would scale each micro-batch by 1/that); cached_step accumulates itself: {fix}"
-        )
-    if not engine.gradient_average:
-        raise EngineConfigError(
-            f"the engine sums gradients over ranks (gradient_allreduce_op); the step's scaling needs the mean: {fix}"
-        )
-    if engine.managed_gradient_accumulation() and not (
-        engine.zero_optimization_stage() in (1, 2, 3)
-        and hasattr(engine.optimizer, "_coalesce_grad_reduction")
-    ):
-        raise EngineConfigError(
-            "the engine runs DeepSpeed's managed gradient accumulation, which the step uses only to coalesce the "
-            f"reduction (ZeRO 1-3 without the BF16/FP16 optimizer wrappers): {fix}"
-        )
-    if getattr(engine.module, "output_dict", None) is False:  # an open_clip model that returns a tuple
-        raise EngineConfigError(
-            f"the model ({type(engine.module).__name__}) returns a tuple; the step reads image_features, "
-            "text_features and logit_scale (logit_bias) by name: build it with output_dict=True"
-        )
-    # (A wrapper that only forwards calls and ``spec``, as benchmarks/bench_accum.py's CountingLoss, has no place.)
-    built_for = (getattr(loss_fn, "rank", None), getattr(loss_fn, "world_size", None))
-    if None not in built_for and built_for != (distributed.rank(), distributed.world_size()):
-        raise LossConfigError(
-            f"the loss was built for rank {built_for[0]} of {built_for[1]} but this process is rank "
-            f"{distributed.rank()} of {distributed.world_size()}: it would not see the other ranks' pairs; build "
-            "ContrastiveLoss(spec, rank=engine.global_rank, world_size=engine.world_size)"
-        )
+def _embed(engine, micro_batches, plan: Plan) -> Cache:
+    """Phase 1 (GradCache's ``forward_no_grad``): micro-batch 0 forward with its graph, then micro-batches
+    1..k-1 under no_grad with their RNG state recorded and BatchNorm running statistics frozen. The teacher
+    and CoCa's caption sums ride along; one 2-element all-reduce gives the caption term's global count."""
+    plan.seed(0)
+    inputs = plan.inputs(micro_batches[0])
+    out0 = engine(**inputs)
+    check_outputs(out0.keys(), siglip=plan.siglip, caption=plan.caption is not None)
+    cache = Cache(out0=out0)
+    _keep(cache, plan, inputs, out0)
+    del inputs
+    with torch.no_grad(), frozen_batchnorm_stats(engine.module, skipped_tower=plan.towers.skipped):
+        for j in range(1, plan.k):
+            plan.seed(j)
+            inputs = plan.inputs(micro_batches[j])
+            out, rng = plan.towers.cache_forward(engine, inputs, plan.device)
+            cache.rng.append(rng)
+            _keep(cache, plan, inputs, out)
+            del out
+    cache.rng_after = RngState(plan.device)
+    if plan.caption is not None:
+        cache.caption_total = plan.caption.global_sum_and_count(cache.captions)
+    if plan.teacher is not None:
+        cache.teacher, cache.teacher_outs = _teacher_features(cache.teacher_outs), []
+    return cache
 
 
-def _dot(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    # fp32 dot so bf16/fp16 embeddings receive their gradient without a low-precision reduction.
-    return (a.float() * g).sum()
+def _keep(cache: Cache, plan: Plan, inputs: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:
+    """Cache one micro-batch: the teacher's embeddings (it is in eval mode and draws no random numbers; the
+    same device copy of the inputs, under no_grad; never again in phase 3), the student's features without
+    their graph, and CoCa's [token-loss sum, count] (its decoder ran in this forward anyway)."""
+    if plan.teacher is not None:
+        cache.teacher_outs.append(plan.teacher(inputs["image"], inputs["text"]))
+    cache.images.append(out["image_features"].detach())
+    cache.texts.append(out["text_features"].detach())
+    if plan.caption is not None:
+        cache.captions.append(plan.caption.sum_and_count(out))
+
+
+def _teacher_features(outs: list[dict[str, torch.Tensor]]) -> TeacherFeatures:
+    # Constants of the loss: no leaves, no gradient; the teacher's own scale scales its logits.
+    return TeacherFeatures(
+        image_features=torch.cat([t["image_features"] for t in outs]).float(),
+        text_features=torch.cat([t["text_features"] for t in outs]).float(),
+        logit_scale=outs[0]["logit_scale"].float(),
+    )
+
+
+@dataclass
+class Grads:
+    """What phase 2 hands phase 3: the full-batch objective and its gradients, scaled for the surrogates."""
+
+    value: torch.Tensor
+    images: tuple[torch.Tensor, ...]
+    """g_j = ∂L/∂(image features of micro-batch j), times encoder_grad_coef and the contrastive weight."""
+    texts: tuple[torch.Tensor, ...]
+    scalars: list[torch.Tensor]
+    """∂L/∂logit_scale (and ∂L/∂logit_bias), times scalar_grad_coef and the contrastive weight."""
+    caption_coef: torch.Tensor | None
+    """CoCa: the factor on a micro-batch's token-loss sum (``CaptionLoss.grad_coef``)."""
+
+
+def _full_batch_grads(cache: Cache, loss_fn: ContrastiveLoss, plan: Plan) -> Grads | None:
+    """Phase 2 (GradCache's ``build_cache``): the loss over all N pairs, once, on fp32 leaves (the loss gathers
+    the other ranks' features); ``autograd.grad`` gives the features' and the scalars' gradients. None when the
+    objective or a gradient is not finite on some rank, agreed before any backward (one host sync)."""
+    leaves = _leaves(cache, plan.siglip)
+    result = loss_fn(*leaves, teacher=cache.teacher)
+    grads = torch.autograd.grad(result.backward_loss, leaves)
+    value = result.value
+    if plan.caption is not None:
+        value = plan.caption.contrastive_weight * value + plan.caption.value(cache.caption_total)
+    # The cache pass computes the same values as the recompute (same RNG), so a NaN/inf embedding, loss or
+    # embedding gradient is seen here, and a skipped step leaves no partial gradients behind. (fp16 overflow
+    # inside a backward is DeepSpeed's loss scaler's to catch; it skips that step itself.) Every check stays
+    # on the device until any_rank reads the single flag.
+    not_finite = ~torch.stack([torch.isfinite(value).all(), *(torch.isfinite(g).all() for g in grads)]).all()
+    if distributed.any_rank(not_finite):
+        return None
+    weight = plan.contrastive_weight()
+    return Grads(
+        value=value,
+        images=(grads[0] * (result.encoder_grad_coef * weight)).split(plan.sizes),
+        texts=(grads[1] * (result.encoder_grad_coef * weight)).split(plan.sizes),
+        scalars=[g * (result.scalar_grad_coef * weight) for g in grads[2:]],
+        caption_coef=None
+        if plan.caption is None
+        else plan.caption.grad_coef(cache.caption_total, loss_fn.world_size),
+    )
+
+
+def _leaves(cache: Cache, siglip: bool) -> list[torch.Tensor]:
+    """The loss's inputs as fp32 leaves: the k·m features of each tower, and micro-batch 0's logit_scale
+    (logit_bias for SigLIP), which every micro-batch of the step shares."""
+    scale, bias = cache.out0["logit_scale"], cache.out0.get("logit_bias")
+    leaves = [
+        torch.cat(cache.images).float().requires_grad_(True),
+        torch.cat(cache.texts).float().requires_grad_(True),
+        scale.detach().float().requires_grad_(True),
+    ]
+    if bias is not None and siglip:
+        leaves.append(bias.detach().float().requires_grad_(True))
+    return leaves
+
+
+def _push_back(engine, micro_batches, plan: Plan, cache: Cache, grads: Grads) -> None:
+    """Phase 3 (GradCache's ``forward_backward``): each micro-batch's surrogate, backpropagated through the
+    encoders: micro-batch 0 through its kept graph, the others recomputed with their RNG state restored (none
+    when both towers are locked). With coalescing, the k backwards run in DeepSpeed's
+    ``engine.coalesce_grad_reduction()`` block: one gradient reduction when it exits."""
+    with engine.coalesce_grad_reduction() if plan.coalesce else contextlib.nullcontext():
+        for j in range(plan.k if plan.towers.recompute else 1):
+            out = cache.out0 if j == 0 else _recompute(engine, micro_batches[j], plan, cache.rng[j])
+            surrogate = _surrogate(j, out, plan, cache, grads)
+            engine.backward(surrogate)
+            del out, surrogate
+
+
+def _recompute(engine, micro_batch, plan: Plan, rng: RngState) -> dict[str, torch.Tensor]:
+    """Micro-batch j's forward again, with grad, drawing what it drew in phase 1."""
+    rng.restore()
+    return engine(**plan.towers.recompute_inputs(plan.inputs(micro_batch)))
+
+
+def _surrogate(j: int, out: dict[str, torch.Tensor], plan: Plan, cache: Cache, grads: Grads) -> torch.Tensor:
+    """The scalar whose backward gives micro-batch j's share of the full-batch gradient."""
+    surrogate = plan.towers.surrogate(out, grads.images[j], grads.texts[j], plan.device)
+    if plan.caption is not None:
+        # The caption term is per sample: this micro-batch's own tokens, in its own pass (micro-batch 0: the
+        # sum computed with its kept graph in phase 1).
+        token_loss = cache.captions[0][0] if j == 0 else plan.caption.token_loss_sum(out)
+        surrogate = surrogate + token_loss.float() * grads.caption_coef
+    if j == 0:
+        # logit_scale (and logit_bias) enter exactly once per step.
+        surrogate = surrogate + _dot(out["logit_scale"], grads.scalars[0])
+        if len(grads.scalars) > 1:
+            surrogate = surrogate + _dot(out["logit_bias"], grads.scalars[1])
+    return surrogate
 
 
 def cached_step(
@@ -277,180 +451,32 @@ def cached_step(
     ``teacher`` (--distill-model; the loss must distil): embeds each micro-batch once, in phase 1 under no_grad
     (micro-batch 0 too, never in the recompute); its embeddings enter the loss as constants.
     """
-    k = len(micro_batches)
-    if k < 1:
-        raise ValueError("cached_step needs at least one micro-batch")
-    if micro_batch_seeds is not None and len(micro_batch_seeds) != k:
-        raise ValueError(f"{len(micro_batch_seeds)} seeds for {k} micro-batches")
-    check_engine(engine, loss_fn)
-    dtype = input_dtype(engine)
-    device = torch.device(engine.device)
-    sizes = [int(i.shape[0]) for i, _ in micro_batches]
-    if any(int(t.shape[0]) != n for (_, t), n in zip(micro_batches, sizes)):
-        raise MicroBatchSizeError(f"images and texts of a micro-batch differ in count: {sizes}")
-    check_micro_batch_sizes(sizes)
-
-    def on_device(j: int) -> dict[str, torch.Tensor]:
-        # Data offload: the k micro-batches' inputs stay where the loader put them (pinned host memory on
-        # GPUs) and only the one being embedded is on the device, so device memory for inputs does not
-        # grow with k (k-1 extra host-to-device copies per step, asynchronous from pinned memory).
-        images, texts = micro_batches[j]
-        return {"image": _to_device(images, device, dtype), "text": _to_device(texts, device)}
-
-    def seed(j: int) -> None:
-        if micro_batch_seeds is not None:
-            torch.manual_seed(micro_batch_seeds[j])
-
-    # A fully locked tower (--lock-image / --lock-text, no parameter of it trainable) gets no gradient from
-    # its embeddings, so phase 3 runs only the other tower's forward (through the engine's top-level
-    # forward, which under ZeRO-3 gathers the root parameters): one tower's forward saved per recomputed
-    # micro-batch. open_clip's forward runs the image tower first; when the image tower is the skipped one,
-    # phase 1 embeds the two towers in two calls and records the RNG state between them, so the text
-    # tower's recompute draws what it drew in the cache pass (the stream is the one a joint forward draws).
-    image_frozen, text_frozen = frozen_towers(engine.module)
-    skipped = "image" if image_frozen else ("text" if text_frozen else None)
-    recompute = not (image_frozen and text_frozen)
-    if caption is not None:
-        # CoCa's decoder reads both towers' tokens and its forward needs the image: one joint forward in
-        # both passes whatever is locked (a locked tower then runs without building a graph).
-        skipped, recompute = None, True
-
-    # Phase 1: embed. Micro-batch 0 keeps its graph; the rest are cached without one.
-    # The teacher (eval mode: it draws no random numbers) embeds each micro-batch right after the student, from
-    # the same device copy of the inputs, under no_grad; its embeddings are kept like the student's cache.
-    teacher_out: list[dict[str, torch.Tensor]] = []
-
-    def embed_teacher(inputs: dict[str, torch.Tensor]) -> None:
-        if teacher is not None:
-            teacher_out.append(teacher(inputs["image"], inputs["text"]))
-
-    seed(0)
-    inputs0 = on_device(0)
-    out0 = engine(**inputs0)
-    check_outputs(out0.keys(), siglip=loss_fn.spec.siglip, caption=caption is not None)
-    embed_teacher(inputs0)
-    del inputs0
-    images = [out0["image_features"].detach()]
-    texts = [out0["text_features"].detach()]
-    # CoCa: [token-loss sum, token count] per micro-batch; micro-batch 0's sum keeps its graph.
-    captions = [caption.sum_and_count(out0)] if caption is not None else []
-    rng_states: list = [None]
-    with torch.no_grad(), frozen_batchnorm_stats(engine.module, skipped_tower=skipped):
-        for j in range(1, k):
-            seed(j)
-            inputs = on_device(j)
-            if skipped == "image" and not text_frozen:
-                image_j = engine(image=inputs["image"])["image_features"]
-                rng_states.append(_rng_state(device))
-                out = {
-                    "image_features": image_j,
-                    "text_features": engine(text=inputs["text"])["text_features"],
-                }
-            else:
-                rng_states.append(_rng_state(device))
-                out = engine(**inputs)
-            embed_teacher(inputs)
-            images.append(out["image_features"])
-            texts.append(out["text_features"])
-            if caption is not None:
-                captions.append(caption.sum_and_count(out))
-            del out
-    rng_after_embed = _rng_state(device)
-    # The caption term's global token count (its normaliser) and value: one 2-element all-reduce per step.
-    caption_total = caption.global_sum_and_count(captions) if caption is not None else None
-
-    # Phase 2: the loss over all N pairs, once, in fp32.
-    image_leaf = torch.cat(images).float().requires_grad_(True)
-    text_leaf = torch.cat(texts).float().requires_grad_(True)
-    scale_out = out0["logit_scale"]
-    bias_out = out0.get("logit_bias")
-    leaves = [image_leaf, text_leaf, scale_out.detach().float().requires_grad_(True)]
-    if bias_out is not None and loss_fn.spec.siglip:
-        leaves.append(bias_out.detach().float().requires_grad_(True))
-    teacher_features = None
-    if teacher is not None:
-        # Constants of the loss: no leaves, no gradient; the teacher's own scale scales its logits.
-        teacher_features = TeacherFeatures(
-            image_features=torch.cat([t["image_features"] for t in teacher_out]).float(),
-            text_features=torch.cat([t["text_features"] for t in teacher_out]).float(),
-            logit_scale=teacher_out[0]["logit_scale"].float(),
-        )
-        del teacher_out
-    result = loss_fn(*leaves, teacher=teacher_features)
-    grads = torch.autograd.grad(result.backward_loss, leaves)
-    value = result.value
-    if caption is not None:
-        value = caption.contrastive_weight * value + caption.value(caption_total)
-
-    # Non-finite guard, agreed across ranks *before* any backward, so a skipped step leaves no
-    # partial gradients behind. The cache pass computes the same values as the recompute (same RNG),
-    # so a NaN/inf embedding, loss or embedding gradient is seen here. (fp16 overflow inside a
-    # backward is DeepSpeed's loss scaler's to catch; it skips that step itself.)
-    # One host sync: every check stays on the device until any_rank reads the single flag.
-    not_finite = ~torch.stack([torch.isfinite(value).all(), *(torch.isfinite(g).all() for g in grads)]).all()
-    if distributed.any_rank(not_finite):
-        del out0, grads, result, captions
-        _set_rng_state(rng_after_embed, device)
-        return StepResult(
-            loss=torch.tensor(float("nan")),
-            logit_scale=scale_out.detach().float().reshape(()),
-            local_samples=sum(sizes),
-            micro_batches=k,
-            skipped=True,
-        )
-    weight = caption.contrastive_weight if caption is not None else 1.0
-    g_images = (grads[0] * (result.encoder_grad_coef * weight)).split(sizes)
-    g_texts = (grads[1] * (result.encoder_grad_coef * weight)).split(sizes)
-    g_scalars = [g * (result.scalar_grad_coef * weight) for g in grads[2:]]
-    caption_coef = caption.grad_coef(caption_total, loss_fn.world_size) if caption is not None else None
-
-    # Phase 3: push the embedding gradients back through the encoders, then step once.
-    # Managed accumulation is on only when the resolved config coalesces (ds_config); then the k backwards
-    # run in one coalescing block (no reduction inside, one on exit) and step() follows outside it.
-    coalesce = engine.managed_gradient_accumulation()
-    with engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext():
-        for j in range(k if recompute else 1):
-            if j == 0:
-                out = out0
-            else:
-                _set_rng_state(rng_states[j], device)
-                inputs = on_device(j)
-                if skipped == "image":
-                    inputs = {"text": inputs["text"]}
-                elif skipped == "text":
-                    inputs = {"image": inputs["image"]}
-                out = engine(**inputs)
-            surrogate = torch.zeros((), device=device)
-            if not image_frozen:
-                surrogate = surrogate + _dot(out["image_features"], g_images[j])
-            if not text_frozen:
-                surrogate = surrogate + _dot(out["text_features"], g_texts[j])
-            if caption is not None:
-                # The caption term is per sample: this micro-batch's own tokens, in its own pass (micro-batch
-                # 0: the sum computed with its kept graph in phase 1).
-                token_loss = captions[0][0] if j == 0 else caption.token_loss_sum(out)
-                surrogate = surrogate + token_loss.float() * caption_coef
-            if j == 0:
-                # logit_scale (and logit_bias) enter exactly once per step.
-                surrogate = surrogate + _dot(out["logit_scale"], g_scalars[0])
-                if len(g_scalars) > 1:
-                    surrogate = surrogate + _dot(out["logit_bias"], g_scalars[1])
-            engine.backward(surrogate)
-            del out, surrogate
-    del out0, captions
-    _set_rng_state(rng_after_embed, device)
+    sizes = check_step_call(engine, micro_batches, loss_fn, micro_batch_seeds)  # host sync 1 (W > 1)
+    plan = Plan.decide(engine, loss_fn, sizes, micro_batch_seeds, caption, teacher)
+    cache = _embed(engine, micro_batches, plan)
+    scale_out, rng_after = cache.out0["logit_scale"], cache.rng_after
+    grads = _full_batch_grads(cache, loss_fn, plan)  # host sync 2: the finiteness flag
+    if grads is not None:
+        _push_back(engine, micro_batches, plan, cache, grads)
+    # Micro-batch 0's outputs (a CoCa decoder's logits among them) are not held through the optimizer step.
+    del cache
+    rng_after.restore()
+    if grads is None:  # not finite on some rank: no rank ran a backward, every rank skips the update
+        nan = torch.tensor(float("nan"))
+        scale = scale_out.detach().float().reshape(())
+        return StepResult(nan, scale, local_samples=sum(sizes), micro_batches=plan.k, skipped=True)
     engine.step()
-    if coalesce:
+    if plan.coalesce:
         # Managed mode counts train_batch_size = m·W samples per step(); this step trained k·m·W.
-        engine.global_samples += (k - 1) * engine.train_batch_size()
+        engine.global_samples += (plan.k - 1) * engine.train_batch_size()
     # False only when DeepSpeed's fp16 loss scaler found an overflow and skipped the update (and, as for
-    # ds_clip's own skip above, did not advance the LR scheduler). A Python bool: no host sync.
+    # ds_clip's own skip, did not advance the LR scheduler). A Python bool: no host sync.
     applied = engine.was_step_applied()
     return StepResult(
-        loss=value.detach(),
-        logit_scale=scale_out.detach().float().reshape(()),
+        grads.value.detach(),
+        scale_out.detach().float().reshape(()),
         local_samples=sum(sizes),
-        micro_batches=k,
+        micro_batches=plan.k,
         skipped=not applied,
         overflow=not applied,
     )

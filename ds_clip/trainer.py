@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,8 @@ from ds_clip.metrics import MetricsWriter, StepMeter
 from ds_clip.model import ModelBundle, check_tokenizer_fits
 from ds_clip.preemption import StopRequest
 from ds_clip.presets import precision_mapping_text
-from ds_clip.step import StepResult, UntrainedOutputError, cached_step, micro_batch_seed
+from ds_clip.step import StepResult, cached_step, micro_batch_seed
+from ds_clip.step_checks import UntrainedOutputError
 
 logger = logging.getLogger("ds_clip")
 
@@ -102,6 +104,10 @@ class SkipPolicy:
 
 class Trainer:
     """One training run. Every rank builds one and calls ``train()``."""
+
+    before_step: Callable[[list, int, int], list] | None = None
+    """Hook called with (micro-batches, attempt, rank) before each step; returns the micro-batches to train.
+    None in a normal run: ``faults.install`` sets it at start when DS_CLIP_INJECT_FAULT is set."""
 
     def __init__(self, s: TrainSettings) -> None:
         # Before any process group: an unusable output folder is a one-line error, not a crash at save time.
@@ -215,10 +221,8 @@ class Trainer:
         rank = self.info.rank
         seeds = [micro_batch_seed(self.s.data.seed, step, g) for g in batch.micro_batch_ids]
         micro_batches = batch.micro_batches
-        faults.maybe_kill("kill", attempt, rank)
-        if faults.active("nan", attempt, rank):
-            micro_batches = [(torch.full_like(micro_batches[0][0], float("nan")), micro_batches[0][1])]
-            micro_batches += batch.micro_batches[1:]
+        if self.before_step is not None:
+            micro_batches = self.before_step(micro_batches, attempt, rank)
         try:
             result = cached_step(
                 self.engine, micro_batches, self.loss_fn, micro_batch_seeds=seeds, caption=self.caption_fn,
@@ -352,4 +356,6 @@ def _checkpoint_meta(m: ModelSettings, precision: str, bundle: ModelBundle) -> d
 
 def train(s: TrainSettings) -> TrainSummary:
     """Build a run from ``s`` and train it (what ``ds-clip-train`` does)."""
-    return Trainer(s).train()
+    trainer = Trainer(s)
+    faults.install(trainer)  # the before_step hook, only when DS_CLIP_INJECT_FAULT is set
+    return trainer.train()

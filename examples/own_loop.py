@@ -1,4 +1,4 @@
-"""ds_clip's step in your own loop (README): deepspeed --num_gpus 2 examples/own_loop.py [--out params.pt]
+"""The step in your own loop (docs/api.md): deepspeed --num_gpus 2 examples/own_loop.py [--out params.pt]
 Your model, engine and data; cached_step trains k micro-batches x M pairs per rank as one N = W*k*M batch."""
 
 import argparse

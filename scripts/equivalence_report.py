@@ -2,7 +2,7 @@
 
     source .venv/bin/activate && python scripts/equivalence_report.py [--out docs/equivalence.md]
 
-Runs the same cases as tests/test_equivalence.py (ds_clip.testing.CASES: 2 ranks x k=2, 4 ranks x k=1,
+Runs the same cases as tests/test_equivalence.py (ds_clip_harness.cases.CASES: 2 ranks x k=2, 4 ranks x k=1,
 3 AdamW steps, each engine built by ds_clip.engine from the shipped presets, as ds-clip-train builds it) and
 reports per case: the largest per-parameter relative error of DeepSpeed's reduced gradient against
 the single-process open_clip oracle (floor 1e-3 of the total gradient norm, as in the test), the
@@ -18,6 +18,10 @@ import tempfile
 from datetime import date
 from pathlib import Path
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as a script: ds_clip_harness (not installed) must import
+    sys.path.insert(0, str(REPO_ROOT))
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -26,15 +30,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from ds_clip.testing import (
-        CASES,
-        oracle_errors,
-        oracle_first_step,
-        run_many,
-        spawn_group,
-        write_model_dirs,
-    )
-    from ds_clip.testing import spec_for as _spec
+    from ds_clip_harness.cases import CASES
+    from ds_clip_harness.cases import spec_for as _spec
+    from ds_clip_harness.groups import spawn_group
+    from ds_clip_harness.models import write_model_dirs
+    from ds_clip_harness.oracle import oracle_errors, oracle_first_step
+    from ds_clip_harness.runs import run_many
 
     with tempfile.TemporaryDirectory() as tmp:
         models = write_model_dirs(Path(tmp))

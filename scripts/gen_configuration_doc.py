@@ -49,7 +49,7 @@ N = m·k·W pairs and moves the model exactly as one process would on the whole 
 - Everything that decides what a step computes comes from flags: batch sizes, accumulation,
   optimizer, learning rate, clipping, precision. ds_clip writes these keys into the resolved JSON.
 - `--precision` left out: the preset's enabled precision section decides (`zero2_bf16` -> bf16),
-  else fp32. `--ds-config` left out: `zero1_<precision>`.
+  else fp32. `--ds-config` left out: `zero0_<precision>` on one rank, `zero1_<precision>` on several.
 
 ## The conflict rule
 
@@ -69,7 +69,7 @@ A key that merely repeats the flag's value is fine. In particular:
 | `gradient_clipping` | `--grad-clip-norm` (0 when absent) | |
 | `optimizer.type` | `--opt` (`AdamW`, `Lamb`, `Lion`, `SGD`) | |
 | `optimizer.params.lr / betas / eps / weight_decay / momentum` | `--lr`, `--beta1/--beta2`, `--eps`, `--wd`, `--momentum` | each optimizer gets the ones its class takes; with AdamW `torch_adam`, `foreach`, `fp32_optimizer_states` may be set (kernel choice) |
-| `scheduler` | refused | ds_clip runs its own cosine schedule with linear warmup (`--lr`, `--warmup`) |
+| `scheduler` | refused | ds_clip runs its own schedule with linear warmup (`--lr-scheduler`, `--lr`, `--warmup`) |
 | `elasticity` | refused | it changes batch sizes |
 | `gradient_allreduce_op`, `managed_gradient_accumulation` | the accumulation step's values | the step relies on them |
 
@@ -78,8 +78,9 @@ there, upstream PR #8393 open): use bf16 or `--zero-stage 1`-`3`.
 
 ds_clip also sets `zero_allow_untested_optimizer: true` (torch AdamW under ZeRO), and, unless the
 preset sets them, `steps_per_print` huge and `wall_clock_breakdown: false` (ds_clip logs itself).
-The optimizer is `torch.optim.AdamW` (`torch_adam: true`), except when the preset offloads the
-optimizer (`offload_optimizer.device` cpu or nvme): DeepSpeed's CPU Adam then runs it. `--opt` picks
+The optimizer is `torch.optim.AdamW` (`torch_adam: true`; its fused kernel unless the preset sets
+`foreach`), except when the preset offloads the optimizer (`offload_optimizer.device` cpu or nvme):
+DeepSpeed's CPU Adam then runs it. `--opt` picks
 another one DeepSpeed builds from the JSON (DeepSpeed 0.19.8, measured): `lamb` is FusedLamb (CUDA only;
 refused with offload and on a CPU-only machine), `lion` is FusedLion on CUDA and DeepSpeed's CPU Lion under
 offload (refused on a CPU-only machine without offload), `sgd` is `torch.optim.SGD` anywhere.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What only a GPU shows (issues 13 and 22), on one H200, in about 8.5 minutes by its own estimate (below):
+# What only a GPU shows, on one H200, in about 8.5 minutes by its own estimate (below):
 #
 #     bash scripts/gpu_wheelhouse.sh                 # first, where pip works: the wheels into .whl/
 #     bash scripts/gpu_check.sh                      # every default part; results in $OUT/gpu_check.json
@@ -7,7 +7,7 @@
 #     bash scripts/gpu_check.sh --dry-run            # print every command, run none (works without a GPU)
 #     bash scripts/gpu_check.sh --out DIR/result.json --site DIR --wheels DIR
 #
-# install  The lent machine as it is (Python 3.12, torch 2.11 + CUDA, no network): the wheels in .whl/
+# install  The GPU machine as it is (Python 3.12, torch 2.11 + CUDA, no network): the wheels in .whl/
 #          go into a folder of their own, offline, `pip install --no-index --no-deps --target SITE`, and
 #          every part runs with PYTHONPATH=SITE:<checkout>: the machine's torch is never touched. Runs
 #          before any other part (about 20 s). No .whl/: stops at once, saying so.
@@ -29,8 +29,8 @@
 #          first (compile) step and the steady time per step (benchmarks/bench_compile.py).
 #
 # Each part runs under its own time limit (a part past it fails) and is skipped, saying so, when the
-# estimate of what is left would end past the whole check's budget (GPU_CHECK_BUDGET_S, 570 s: one call
-# of the device tool runs 600 s at most). Any failure stops the script with a non-zero exit naming the part.
+# estimate of what is left would end past the whole check's budget (GPU_CHECK_BUDGET_S, 570 s: one command
+# on the GPU machine runs 600 s at most). Any failure stops the script with a non-zero exit naming the part.
 set -Eeuo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD

@@ -1,4 +1,4 @@
-"""What only a GPU shows about where ds_clip wins (gpu_check.sh parts "mfu" and "largest", issue 22):
+"""What only a GPU shows about where ds_clip wins (gpu_check.sh parts "mfu" and "largest"):
 
     python scripts/gpu_check_capacity.py mfu --out-dir DIR       # DIR/mfu.json: ViT-B-16, bf16, k = 8, largest m
     python scripts/gpu_check_capacity.py largest --out-dir DIR   # DIR/largest.json: ViT-B-16, tiled loss

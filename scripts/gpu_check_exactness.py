@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node 1 scripts/gpu_check_exactness.py --out RESULT.json
 
-Both runs take one optimizer step on the same 4m pairs from the same weights (ds_clip.testing's
+Both runs take one optimizer step on the same 4m pairs from the same weights (ds_clip_harness's
 generated data, defined by sample index) and record DeepSpeed's reduced gradient of every parameter at
 that step. The cached step promises the same gradient whatever the split: the relative error
 ||g(k=4, m) - g(k=1, 4m)|| / ||g(k=1, 4m)|| is reported per parameter (largest, and logit_scale's), per
@@ -17,6 +17,10 @@ import sys
 from pathlib import Path
 
 import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as a script: ds_clip_harness (not installed) must import
+    sys.path.insert(0, str(REPO_ROOT))
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -39,7 +43,7 @@ def main() -> int:
     torch.set_float32_matmul_precision("highest")
 
     from ds_clip.distributed import device, init_distributed
-    from ds_clip.testing import RunSpec, replace, run_in_group
+    from ds_clip_harness.runs import RunSpec, replace, run_in_group
 
     init_distributed()
     dev = device()

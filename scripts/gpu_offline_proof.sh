@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Proof, on a CPU machine, that the wheelhouse installs and trains on the lent GPU machine as it is (issue 22):
+# Proof, on a CPU machine, that the wheelhouse installs and trains on the offline GPU machine as it is:
 #
 #     bash scripts/gpu_offline_proof.sh    # ~11 min here under load (+ ~10 min and 5 GB the first time: the venv)
 #
 # 1. A CPython 3.12 venv (pyenv's 3.12.1) shaped like that machine: torch 2.11.0 and torchvision 0.26.0
 #    (PyPI's wheels with what they require, the CUDA libraries included: torch does not import without
-#    them), then ONLY the packages that machine has (issue 22's list:
+#    them), then ONLY the packages that machine has (the list docs/gpu.md gives:
 #    numpy, pandas, matplotlib, timm, huggingface_hub, safetensors, tqdm, tensorboard, pyyaml, regex,
 #    psutil, msgpack, ninja, py-cpuinfo, einops, nvidia-ml-py, mpi4py, pytest). It checks that none of
 #    deepspeed, open_clip, webdataset, pydantic, ftfy, wcwidth, braceexpand, hjson is there.
@@ -29,9 +29,9 @@ T_START=$SECONDS
 step() { printf '\n== %s\n' "$*"; }
 
 # ------------------------------------------------------------------------------- 1. the GPU machine's twin
-step "1. Python 3.12 venv with torch 2.11.0 and the lent machine's packages only ($VENV)"
-LENT=(numpy pandas matplotlib timm huggingface_hub safetensors tqdm tensorboard pyyaml regex psutil msgpack
-      ninja py-cpuinfo einops nvidia-ml-py mpi4py pytest)
+step "1. Python 3.12 venv with torch 2.11.0 and the GPU machine's packages only ($VENV)"
+HAS=(numpy pandas matplotlib timm huggingface_hub safetensors tqdm tensorboard pyyaml regex psutil msgpack
+     ninja py-cpuinfo einops nvidia-ml-py mpi4py pytest)
 LACKS=(deepspeed open_clip webdataset pydantic ftfy wcwidth braceexpand hjson)
 if [ ! -f "$VENV/.complete" ]; then
     rm -rf "$VENV"
@@ -40,7 +40,7 @@ if [ ! -f "$VENV/.complete" ]; then
     # torch with its CUDA libraries, as on the GPU machine (PyPI's torch 2.11.0 wheel does not import
     # without them: libcudnn.so.9), about 3 GB; it runs on the CPU.
     "$VENV/bin/python" -m pip install -q --only-binary=:all: torch==2.11.0 torchvision==0.26.0
-    "$VENV/bin/python" -m pip install -q "${LENT[@]}"
+    "$VENV/bin/python" -m pip install -q "${HAS[@]}"
     touch "$VENV/.complete"
 fi
 "$VENV/bin/python" - "${LACKS[@]}" <<'PY'

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The wheels the lent GPU machine lacks, for scripts/gpu_check.sh to install there offline (issue 22):
+# The wheels the offline GPU machine lacks, for scripts/gpu_check.sh to install there without a network:
 #
 #     bash scripts/gpu_wheelhouse.sh            # writes .whl/ in the checkout (gitignored), about 8 MB
 #
-# That machine (/work/.library/device/README.md, docs/gpu.md): x86-64, CPython 3.12, torch 2.11.0+cu130,
+# That machine (docs/gpu.md): x86-64, CPython 3.12, torch 2.11.0+cu130,
 # torchvision 0.26, no network; it has numpy, pandas, matplotlib, timm, huggingface_hub, safetensors, tqdm,
 # tensorboard, pyyaml, regex, psutil, msgpack, ninja, py-cpuinfo, einops, nvidia-ml-py, mpi4py, pytest and
 # lacks the packages below. Each is a pure-Python wheel or a cp312 manylinux x86_64 one, fetched with
@@ -11,9 +11,9 @@
 #   - deepspeed 0.19.8, an sdist upstream: `pip wheel --no-deps` builds a py3-none-any wheel once (no CUDA
 #     op prebuilt: DeepSpeed JIT-builds what it needs on first use);
 #   - ds_clip itself, rebuilt from this checkout on every run (its code changes).
-# The versions are the ones the project's venv runs (scripts/setup.sh). The device tool carries .whl/ with
-# `carry: [".whl"]`; it takes at most 64 MiB for the working tree and carried paths together, which this
-# script checks. Running it again downloads nothing that is already there.
+# The versions are the ones the project's venv runs (scripts/setup.sh). The working tree is copied to the
+# GPU machine together with .whl/, at most 64 MiB for the two together, which this script checks. Running
+# it again downloads nothing that is already there.
 set -Eeuo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -70,15 +70,15 @@ if [ -n "$dups" ]; then
     exit 1
 fi
 
-# What travels to the lent machine: tracked and untracked-not-ignored files, plus .whl/.
+# What is copied to the GPU machine: tracked and untracked-not-ignored files, plus .whl/.
 tree_bytes=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s -- 2>/dev/null \
     | awk '{s += $1} END {print s + 0}')
 whl_bytes=$(du -sb "$WHL" | cut -f1)
 total_mib=$(( (tree_bytes + whl_bytes) / 1048576 ))
 echo "gpu_wheelhouse: $(ls "$WHL" | wc -l) wheels, $((whl_bytes / 1024)) KiB; with the working tree" \
-    "$((tree_bytes / 1024)) KiB: ${total_mib} MiB of the device tool's ${LIMIT_MIB} MiB"
+    "$((tree_bytes / 1024)) KiB: ${total_mib} MiB of the ${LIMIT_MIB} MiB copied to the GPU machine"
 if [ $((tree_bytes + whl_bytes)) -gt $((LIMIT_MIB * 1048576)) ]; then
-    echo "gpu_wheelhouse: the working tree and .whl/ exceed ${LIMIT_MIB} MiB: the device tool would refuse them" >&2
+    echo "gpu_wheelhouse: the working tree and .whl/ exceed ${LIMIT_MIB} MiB, the most copied to the GPU machine" >&2
     exit 1
 fi
 ls -1 "$WHL"

@@ -10,8 +10,8 @@ bash scripts/setup.sh
 # rebuild it back and forth.
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
-ruff check ds_clip tests benchmarks scripts examples
-ruff format --check ds_clip tests benchmarks scripts examples
+ruff check ds_clip ds_clip_harness tests benchmarks scripts examples
+ruff format --check ds_clip ds_clip_harness tests benchmarks scripts examples
 # Import layers and no cycles (pyproject.toml [tool.importlinter]).
 lint-imports
 set +e

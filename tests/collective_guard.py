@@ -8,9 +8,9 @@ show it. This guard makes it show on a CPU:
    of ds_clip or DeepSpeed on the stack is ds_clip's (DeepSpeed's own collectives are its business;
    open_clip's and ``torch.distributed.nn``'s frames are looked through, so open_clip's gathers called
    from ds_clip are checked too).
-2. With ``DS_CLIP_COLLECTIVE_GUARD=1`` on a CPU accelerator, ``ds_clip.distributed.to_device`` returns a
-   ``SimulatedDeviceTensor`` (a subclass that survives ops and becomes a plain tensor again on ``.cpu()``):
-   "on the accelerator" is observable. A tensor that never went through placement (``torch.tensor([x])``,
+2. On a CPU accelerator, ``install()`` hands ``ds_clip.distributed.set_placement`` a simulated device:
+   ``to_device`` returns a ``SimulatedDeviceTensor`` (a subclass that survives ops and becomes a plain tensor
+   again on ``.cpu()``), so "on the accelerator" is observable. A tensor that never went through placement (``torch.tensor([x])``,
    features moved ``.cpu()`` before a gather) is plain: flagged, as NCCL would refuse it. On a real GPU the
    check is the tensor's device against ``get_accelerator().current_device_name()``.
 3. A collective whose innermost ds_clip frame is not ``ds_clip.distributed`` is flagged too (object
@@ -34,7 +34,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-GUARD_ENV = "DS_CLIP_COLLECTIVE_GUARD"  # same name as ds_clip.distributed.GUARD_ENV (old code has none)
+import torch
+
 REPORT_ENV = "DS_CLIP_COLLECTIVE_GUARD_REPORT"
 HOME = "ds_clip.distributed"
 
@@ -66,9 +67,48 @@ COLLECTIVES = (
 )
 
 
-def _tensors(obj: Any, path: str):
-    import torch
+class SimulatedDeviceTensor(torch.Tensor):
+    """A CPU tensor standing for one on the accelerator (guarded CPU runs only).
 
+    Results of ops on it are of this class too (torch's default ``__torch_function__``), as results on a
+    GPU stay on the GPU; ``.cpu()``, ``.to("cpu")`` and ``.to(plain_tensor)`` return a plain tensor, as a
+    copy to the host would. Tensors created without it (``torch.tensor(...)``, ``torch.zeros(...)``) are
+    plain: "on the host" for the guard.
+    """
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cpu or (func is torch.Tensor.to and _to_host(args, kwargs)):
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+            return out.as_subclass(torch.Tensor)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _to_host(args: tuple, kwargs: dict) -> bool:
+    target = kwargs.get("device")
+    for a in args[1:]:
+        if isinstance(a, torch.Tensor):
+            return not isinstance(a, SimulatedDeviceTensor)
+        if isinstance(a, (str, torch.device)):
+            target = a
+    return target is not None and torch.device(target).type == "cpu"
+
+
+class SimulatedDevice:
+    """The placement ``install()`` gives ``ds_clip.distributed`` on a CPU accelerator (its ``Placement``)."""
+
+    @staticmethod
+    def to_device(t: torch.Tensor) -> torch.Tensor:
+        return t if isinstance(t, SimulatedDeviceTensor) else t.as_subclass(SimulatedDeviceTensor)
+
+    @staticmethod
+    def is_on_device(t: torch.Tensor) -> bool:
+        return isinstance(t, SimulatedDeviceTensor)
+
+
+def _tensors(obj: Any, path: str):
     if isinstance(obj, torch.Tensor):
         yield path, obj
     elif isinstance(obj, (list, tuple)):
@@ -81,8 +121,7 @@ def _on_accelerator(t) -> bool:
 
     acc = get_accelerator()
     if acc.device_name() == "cpu":
-        sim = getattr(sys.modules.get(HOME), "SimulatedDeviceTensor", None)
-        return sim is not None and isinstance(t, sim)
+        return isinstance(t, SimulatedDeviceTensor)
     want = acc.current_device_name()
     return str(t.device) == want or (t.device.type == want and t.device.index is None)
 
@@ -148,10 +187,16 @@ def _check(op: str, args: tuple, kwargs: dict) -> None:
 
 
 def install() -> None:
-    """Wrap torch.distributed's collectives (idempotent) and turn on simulated placement."""
+    """Wrap torch.distributed's collectives (idempotent) and, on a CPU accelerator, simulate placement on the
+    device (an older ds_clip without ``set_placement`` gets none: each of its tensors reads as on the host)."""
     import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
 
-    os.environ[GUARD_ENV] = "1"
+    import ds_clip.distributed
+
+    set_placement = getattr(ds_clip.distributed, "set_placement", None)
+    if set_placement is not None and get_accelerator().device_name() == "cpu":
+        set_placement(SimulatedDevice())
     if getattr(dist, "_ds_clip_guard", False):
         return
     for op in COLLECTIVES:

@@ -26,7 +26,8 @@ import torch
 
 from ds_clip import checkpoint as ck
 from ds_clip.errors import UserError
-from ds_clip.testing import E2E_MODEL, E2E_TEACHER, spawn_group, write_pretrained_dir
+from ds_clip_harness.groups import spawn_group
+from ds_clip_harness.models import E2E_MODEL, E2E_TEACHER, write_pretrained_dir
 
 M, STEPS, SAVE_AT = 2, 4, 2
 STAGES = (0, 1, 2, 3)

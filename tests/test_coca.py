@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from ds_clip.caption import chunked_token_loss_sum
 from ds_clip.config import parse_settings
 from ds_clip.errors import UserError
-from ds_clip.step import UntrainedOutputError, check_outputs
-from ds_clip.testing import COCA_E2E_MODEL, spawn_group
+from ds_clip.step_checks import UntrainedOutputError, check_outputs
+from ds_clip_harness.groups import spawn_group
+from ds_clip_harness.models import COCA_E2E_MODEL
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

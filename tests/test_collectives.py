@@ -26,15 +26,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_clip.testing import E2E_MODEL
+from ds_clip_harness.models import E2E_MODEL
 from tests import collective_guard as guard
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ds_clip"
 HOME = "ds_clip/distributed.py"
 
-# Modules allowed to call torch.distributed collectives directly: none (the test harness, ds_clip/testing.py,
-# goes through ds_clip.distributed too).
+# Modules of ds_clip allowed to call torch.distributed collectives directly: none (the test harness beside it,
+# ds_clip_harness, goes through ds_clip.distributed too).
 TEMPORARY_DIRECT_COLLECTIVES_ALLOWED: frozenset[str] = frozenset()
 
 _COLLECTIVE_MODULES = (
@@ -121,9 +121,10 @@ dist.get_rank()
 
 
 def test_collectives_only_in_distributed_py():
-    """No module of ds_clip calls a collective directly; only ds_clip/distributed.py does."""
+    """No module of ds_clip (nor of the harness beside it) calls a collective directly; only
+    ds_clip/distributed.py does."""
     found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted([*PACKAGE.rglob("*.py"), *(ROOT / "ds_clip_harness").rglob("*.py")]):
         rel = path.relative_to(ROOT).as_posix()
         if rel == HOME or rel in TEMPORARY_DIRECT_COLLECTIVES_ALLOWED:
             continue
@@ -261,7 +262,7 @@ def _rank_main(rank: int, world: int, port: int, report: str) -> None:
 
 
 def _check_helpers(D, rank: int, world: int) -> None:
-    sim = D.SimulatedDeviceTensor
+    sim = guard.SimulatedDeviceTensor
     # Reductions: a CPU tensor in -> a plain CPU tensor out; a device tensor stays on the device.
     x = torch.tensor([float(rank + 1), -float(rank)])
     for fn, want in (

@@ -17,17 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from ds_clip.testing import (
-    ADAM,
-    CONFIGS,
-    M,
-    RunSpec,
-    oracle_errors,
-    oracle_first_step,
-    run_many,
-    spawn_group,
-    train_argv,
-)
+from ds_clip_harness.cases import ADAM, M
+from ds_clip_harness.groups import spawn_group
+from ds_clip_harness.models import CONFIGS
+from ds_clip_harness.oracle import oracle_errors, oracle_first_step
+from ds_clip_harness.runs import RunSpec, run_many, train_argv
 
 STAGES = (0, 2)
 

@@ -17,8 +17,8 @@ from open_clip.loss import DistillClipLoss
 
 from ds_clip.config import SettingsError, parse_settings
 from ds_clip.loss import ContrastiveLoss, LossSpec, TeacherFeatures
-from ds_clip.testing import CONFIGS, TEACHER, write_pretrained_dir
 from ds_clip.tiled_loss import distill_clip_loss_tiled
+from ds_clip_harness.models import CONFIGS, TEACHER, write_pretrained_dir
 
 
 def _features(n: int, d: int, seed: int, dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:

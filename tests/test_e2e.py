@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ds_clip.distributed import _free_port
-from ds_clip.testing import COCA_E2E_MODEL, E2E_MODEL, E2E_TEACHER, write_pretrained_dir
+from ds_clip_harness.models import COCA_E2E_MODEL, E2E_MODEL, E2E_TEACHER, write_pretrained_dir
 from tests import shm_files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -248,7 +248,7 @@ def test_text_tower_smaller_than_its_tokenizer_is_exit_2(tmp_path):
     """A local-dir: model whose text_cfg.vocab_size is below its tokenizer's ids (open_clip's 49408) is
     refused by name before the first step, instead of an index error inside the embedding (or a compiled
     kernel's out-of-bounds abort under --torchcompile)."""
-    from ds_clip.testing import CONFIGS
+    from ds_clip_harness.models import CONFIGS
 
     (tmp_path / "small_vocab").mkdir()
     (tmp_path / "small_vocab" / "open_clip_config.json").write_text(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_clip.testing import (
+from ds_clip_harness.cases import (
     ADAM,
     BF16_CASES,
     CASES,
@@ -22,15 +22,13 @@ from ds_clip.testing import (
     FP32_CASES,
     Case,
     M,
-    RunSpec,
     fp16_supported,
-    oracle_errors,
-    oracle_first_step,
-    run_many,
-    spawn_group,
     spec_for,
-    write_model_dirs,
 )
+from ds_clip_harness.groups import spawn_group
+from ds_clip_harness.models import write_model_dirs
+from ds_clip_harness.oracle import oracle_errors, oracle_first_step
+from ds_clip_harness.runs import RunSpec, run_many
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -216,7 +214,8 @@ def test_batchnorm_running_stats_count_each_sample_once(stage, runs, models):
     running statistics equal those of one train-mode pass over its 2 micro-batches in order. The
     no-grad cache pass must not update them; the recompute does, once per micro-batch of m."""
     from ds_clip.model import build_model
-    from ds_clip.testing import micro_batch_seed, step_micro_batches
+    from ds_clip.step import micro_batch_seed
+    from ds_clip_harness.runs import step_micro_batches
 
     spec = _bn_spec(models, stage)
     bundle = build_model(spec.model, seed=spec.seed)

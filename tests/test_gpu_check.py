@@ -6,6 +6,8 @@
 - benchmarks/flops.py: FLOPs from a model's shapes, known shapes -> known count.
 - scripts/gpu_check_capacity.py (parts mfu and largest) runs on the CPU on a tiny model: the doubling
   searches, the FLOP arithmetic and the JSON it writes (the figures themselves need a GPU).
+- scripts/gpu_check_exactness.py runs on the CPU on a tiny model, finding the harness beside the package
+  (not in the wheel gpu_check.sh installs) by itself.
 The offline install itself is proven by scripts/gpu_offline_proof.sh (docs/gpu.md), not in CI: it
 downloads torch 2.11 for Python 3.12.
 """
@@ -190,3 +192,24 @@ def test_capacity_script_searches_and_reports_on_cpu(tmp_path):
     assert [(t["N"], t["ok"]) for t in largest["trials"]] == [(4, True), (8, True)]
     assert largest["largest_N"] == 8 and largest["stopped_because"] == "k-max reached"
     assert "gpu_check_capacity: mfu ds-clip-tiny" in proc.stdout and "largest N ds-clip-tiny" in proc.stdout
+
+
+# ----------------------------------------------------------------- exactness script on the CPU
+
+
+@pytest.mark.slow
+def test_exactness_script_finds_the_harness_and_runs_on_cpu(tmp_path):
+    """gpu_check_exactness.py (part c) run as gpu_check.sh runs it, a script by path, here from a folder
+    outside the checkout with nothing on PYTHONPATH: it finds ds_clip_harness (beside the package, not in the
+    wheel) by itself, and k = 4 x m = 2 against k = 1 x m = 8 on a tiny model agree to fp32 rounding."""
+    env = {k: v for k, v in _env().items() if k != "PYTHONPATH"}
+    out = tmp_path / "exactness.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_check_exactness.py"), "--allow-cpu", "--model",
+         "ds-clip-tiny", "--micro-batch-size", "2", "--zero-stages", "0", "--out", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    result = json.loads(out.read_text())
+    assert result["ok"] and [r["zero_stage"] for r in result["runs"]] == [0]
+    assert result["runs"][0]["params_compared"] > 0 and result["max_rel_err"] <= 1e-4

@@ -16,7 +16,7 @@ import torch
 
 from ds_clip.config import parse_settings
 from ds_clip.geometry import BatchGeometry
-from ds_clip.testing import E2E_MODEL
+from ds_clip_harness.models import E2E_MODEL
 
 FLAGS = [
     "--force-image-size", "48", "--force-patch-dropout", "0.5", "--image-mean", "0.5", "0.4", "0.3",

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from ds_clip.config import parse_settings
-from ds_clip.testing import CONFIGS, E2E_MODEL, PRETRAINED_SEED, RunSpec, spawn_group, write_pretrained_dir
+from ds_clip_harness.groups import spawn_group
+from ds_clip_harness.models import CONFIGS, E2E_MODEL, PRETRAINED_SEED, write_pretrained_dir
+from ds_clip_harness.runs import RunSpec
 
 K = 2
 STEPS = 2
@@ -144,7 +146,7 @@ def _engine_runs(model: str, cases: list) -> list[dict]:
     from ds_clip import distributed
     from ds_clip.engine import build_engine, build_model_bundle, resolve_run
     from ds_clip.step import cached_step, micro_batch_seed
-    from ds_clip.testing import FLAT_SCHEDULE_STEPS, full_params, step_micro_batches, train_argv
+    from ds_clip_harness.runs import FLAT_SCHEDULE_STEPS, full_params, step_micro_batches, train_argv
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = []

@@ -32,7 +32,7 @@ from ds_clip.preflight import (
     rendezvous_from_env,
     timeout_from_env,
 )
-from ds_clip.testing import E2E_MODEL
+from ds_clip_harness.models import E2E_MODEL
 from tests.netns_hosts import (
     SUBNET,
     NamespacesForbidden,

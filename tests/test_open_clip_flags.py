@@ -271,7 +271,7 @@ def test_imagenet_zeroshot_matches_open_clip_train(tmp_path):
 
     from ds_clip import evaluate
     from ds_clip.model import build_model
-    from ds_clip.testing import E2E_MODEL
+    from ds_clip_harness.models import E2E_MODEL
 
     model_dir = tmp_path / "model"
     model_dir.mkdir()
@@ -348,7 +348,7 @@ def test_open_clip_command_line_trains_under_the_deepspeed_launcher(tmp_path):
 
     import torch
 
-    from ds_clip.testing import E2E_MODEL
+    from ds_clip_harness.models import E2E_MODEL
 
     model = tmp_path / "model"
     model.mkdir()
@@ -442,7 +442,7 @@ def test_use_bn_sync_converts_batchnorm_and_is_refused_on_the_cpu(tmp_path, caps
 
     from ds_clip.ds_config import resolve_deepspeed as resolve
     from ds_clip.engine import build_model_bundle
-    from ds_clip.testing import write_model_dirs
+    from ds_clip_harness.models import write_model_dirs
 
     model = write_model_dirs(tmp_path)["resnet_bn"]
     s = parse_settings(["--model", model, "--use-bn-sync"])

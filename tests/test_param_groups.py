@@ -15,7 +15,9 @@ import torch
 from ds_clip.config import parse_settings
 from ds_clip.model import build_model, prepare_for_deepspeed
 from ds_clip.optim import ParamGroupError, format_groups, param_groups_for
-from ds_clip.testing import CONFIGS, RunSpec, spawn_group, step_micro_batches, write_model_dirs
+from ds_clip_harness.groups import spawn_group
+from ds_clip_harness.models import CONFIGS, write_model_dirs
+from ds_clip_harness.runs import RunSpec, step_micro_batches
 
 LR, WD = 1e-3, 0.1
 TEXT_ROOTS = ("transformer.", "token_embedding", "positional_embedding", "ln_final", "text_projection")
@@ -172,7 +174,7 @@ def _group_engines(model: str) -> list[dict]:
 
     from ds_clip.engine import build_engine, build_model_bundle, resolve_run
     from ds_clip.step import cached_step
-    from ds_clip.testing import full_params
+    from ds_clip_harness.runs import full_params
 
     rank, world = dist.get_rank(), dist.get_world_size()
     logged: list[str] = []

@@ -15,7 +15,8 @@ import torch
 from ds_clip import checkpoint as ck
 from ds_clip.config import parse_settings
 from ds_clip.schedule import SCHEDULES, Schedule, build_scheduler, schedule_for
-from ds_clip.testing import E2E_MODEL, spawn_group
+from ds_clip_harness.groups import spawn_group
+from ds_clip_harness.models import E2E_MODEL
 
 open_clip_scheduler = pytest.importorskip("open_clip_train.scheduler")
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_clip.testing import E2E_MODEL, spawn_group
+from ds_clip_harness.groups import spawn_group
+from ds_clip_harness.models import E2E_MODEL
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -90,7 +91,8 @@ def _pairs(bundle, first: int, count: int):
 def _group(model: str, fp16_config: str | None) -> dict:
     import torch.distributed as dist
 
-    from ds_clip.step import MicroBatchSizeError, cached_step
+    from ds_clip.step import cached_step
+    from ds_clip.step_checks import MicroBatchSizeError
 
     rank = dist.get_rank()
     out: dict = {}
@@ -177,7 +179,7 @@ def _own_engine_cases(model_name: str) -> dict:
     from ds_clip import ContrastiveLoss, LossSpec, cached_step, prepare_for_deepspeed, step_engine_config
     from ds_clip.loss import LossConfigError
     from ds_clip.model import build_model
-    from ds_clip.step import EngineConfigError
+    from ds_clip.step_checks import EngineConfigError
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = {
@@ -336,7 +338,7 @@ def test_fp16_overflow_is_a_skipped_step_with_the_schedule_held(results):
 
 
 def _alone(model: str) -> dict:
-    from ds_clip.testing import RunSpec, run_in_group
+    from ds_clip_harness.runs import RunSpec, run_in_group
 
     spec = RunSpec(
         model=model, micro_batch_size=2, accum_freq=2, steps=1, zero_stage=0, capture_grads=True,
@@ -350,7 +352,8 @@ def test_one_rank_zero0_reduces_no_gradient_and_stays_exact(tmp_path):
     """W = 1, ZeRO-0: DeepSpeed's all-reduce of the flattened gradient (the identity on one rank) is
     skipped: no gradient bytes pass through a collective, and the step's gradient still equals open_clip's
     full-batch gradient in one process (fp32, relative error <= 1e-5 per parameter)."""
-    from ds_clip.testing import oracle_errors, oracle_first_step, write_model_dirs
+    from ds_clip_harness.models import write_model_dirs
+    from ds_clip_harness.oracle import oracle_errors, oracle_first_step
 
     models = write_model_dirs(tmp_path)
     out = spawn_group(1, _alone, models["vit"])

@@ -1,5 +1,6 @@
 """The wheel is enough to train: built from the checkout, installed non-editable into a fresh environment,
-run from a folder outside the repository, every shipped DeepSpeed preset trains 2 steps.
+run from a folder outside the repository, every shipped DeepSpeed preset trains 2 steps. The wheel holds ds_clip
+alone: the test harness beside it (ds_clip_harness) stays in the checkout and is not importable there.
 
 This pins the bug where `ds_config.PRESET_DIR` pointed at ds_configs/ beside the package: an editable
 checkout has it, a wheel did not, and no preset (not even the default) loaded. The presets live once in
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_clip.testing import E2E_MODEL
+from ds_clip_harness.models import E2E_MODEL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -155,6 +156,9 @@ def test_wheel_holds_the_package_and_presets_but_no_tools(fresh):
     assert not [n for n in names if n.split("/")[0] in ("benchmarks", "tests", "scripts", "ds_configs")]
     assert "ds_clip/bench.py" not in names
     (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+    # The test harness (ds_clip_harness, beside the package) stays out: the wheel is ds_clip and its metadata.
+    assert {n.split("/")[0] for n in names} == {"ds_clip", meta.split("/")[0]}, sorted(names)
+    assert not [n for n in names if "harness" in n or n.endswith("/testing.py")]
     requires = [ln for ln in zipfile.ZipFile(fresh["wheel"]).read(meta).decode().splitlines()
                 if ln.startswith("Requires-Dist:")]  # fmt: skip
     runtime = [ln for ln in requires if "extra ==" not in ln]
@@ -166,11 +170,12 @@ def test_wheel_holds_the_package_and_presets_but_no_tools(fresh):
 
 def test_installed_package_is_the_wheel_not_the_checkout(fresh):
     probe = (
-        "import json, sys, ds_clip\n"
+        "import importlib.util, json, sys, ds_clip\n"
         "from ds_clip.ds_config import PRESET_DIR, list_presets, load_preset\n"
         "print(json.dumps({'file': ds_clip.__file__, 'presets_dir': str(PRESET_DIR), 'presets': list_presets(),"
         " 'stage': load_preset('zero3_bf16')['zero_optimization']['stage'],"
-        " 'finders': [type(f).__module__ + '.' + type(f).__qualname__ for f in sys.meta_path]}))"
+        " 'finders': [type(f).__module__ + '.' + type(f).__qualname__ for f in sys.meta_path],"
+        " 'harness': importlib.util.find_spec('ds_clip_harness') is not None}))"
     )
     proc = _run([fresh["venv"] / "bin" / "python", "-c", probe], cwd=fresh["cwd"], env=fresh["env"])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -181,6 +186,7 @@ def test_installed_package_is_the_wheel_not_the_checkout(fresh):
     assert not Path(info["presets_dir"]).is_symlink()  # real files in the install, not a link to the repo
     assert info["presets"] == SHIPPED_PRESETS and info["stage"] == 3
     assert not [f for f in info["finders"] if "editable" in f.lower()], info["finders"]
+    assert info["harness"] is False  # trains (the tests below) with no test harness installed
 
 
 def test_console_script_help_and_default_preset_train(fresh):

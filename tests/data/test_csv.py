@@ -25,8 +25,8 @@ from PIL import Image
 from ds_clip.config import DataSettings, parse_settings
 from ds_clip.data.loader import DataError, build_train_data
 from ds_clip.geometry import BatchGeometry
-from ds_clip.testing import E2E_MODEL
 from ds_clip.train import main as train_main
+from ds_clip_harness.models import E2E_MODEL
 from tests.data.tokens import byte_tokenizer, detok
 from tests.test_e2e import K, M, W, _check_run, _run, _train_args
 

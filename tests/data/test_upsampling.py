@@ -20,8 +20,8 @@ from ds_clip.data.loader import DataSettings, build_train_data
 from ds_clip.data.synthetic import render_pair
 from ds_clip.geometry import BatchGeometry
 from ds_clip.shards import Sample, write_shards
-from ds_clip.testing import E2E_MODEL
 from ds_clip.train import main as train_main
+from ds_clip_harness.models import E2E_MODEL
 from tests.data.tokens import byte_tokenizer, detok
 from tests.test_e2e import _check_run, _run, _train_args
 

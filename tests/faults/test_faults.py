@@ -28,7 +28,7 @@ import psutil  # a DeepSpeed dependency: finds the rank processes under the laun
 import pytest
 import torch
 
-from ds_clip.testing import E2E_MODEL
+from ds_clip_harness.models import E2E_MODEL
 from tests import shm_files
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,40 +1,15 @@
-"""Webdataset pipeline: tar shards of (image, caption) pairs, split so that every step is full.
-
-Two modes (see docs/data.md):
-- exact-epoch (default): the shard list is shuffled by (seed, epoch) and laid end to end; each rank
-  takes a contiguous range of steps_per_epoch*k*m samples of that sequence, each of its DataLoader
-  workers a contiguous, micro-batch-aligned part of that range. Every sample is read by exactly one
-  worker; the < N samples at the end of the sequence that do not fill a global batch are left out
-  (a different set each epoch). This needs per-shard sample counts: `sizes.json` next to the shards
-  (open_clip's format, written by `ds-clip-shards`) or, failing that, a scan of the tars at start-up.
-- resampled: each worker draws shards with replacement, seeded by (seed, epoch, rank, worker);
-  an epoch is --train-num-samples pairs. With --train-data-upsampling-factors each shard of "::"-joined
-  source i is drawn with weight factor_i (open_clip's ResampledShards2 with expand_urls' weights).
-
-Workers shuffle undecoded samples in a seeded buffer, decode, and send micro-batches of m pairs with
-their skip counts and their position (raw samples consumed) attached; the main process takes the
-micro-batches round-robin starting from a fixed worker, so the order is a pure function of (seed,
-epoch, rank, W, k, m, workers), and a resumed run can make every worker skip exactly what it had
-consumed without decoding it.
-
-Augmentation: the worker calls the user's transform through a SeededTransform (data/augment.py) with the
-sample's identity (shard URL as expanded from --train-data, sample key) and the epoch, so a sample's random
-crop (and any other draw of the transform) is the same whatever rank, worker, --workers or restart reads it.
-"""
+"""The webdataset loader of one rank: the plan of an epoch (exact-epoch pieces or resampled draws), the
+DataLoader workers that read, decode and batch their part, and the main process that takes their
+micro-batches round-robin into step batches and records the position a resume starts from. The modes and
+the order are described in ``ds_clip.data.wds``."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import hashlib
-import io
-import json
 import logging
-import os
 import random
-import re
-import tarfile
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -42,7 +17,6 @@ from typing import Any
 
 import torch
 from PIL import Image
-from webdataset.gopen import gopen
 
 from ds_clip.data.augment import SeededTransform
 from ds_clip.data.base import (
@@ -53,275 +27,13 @@ from ds_clip.data.base import (
     loader_generator,
     prefetch_factor,
 )
+from ds_clip.data.wds.samples import RawSample, SkipCounter, decode_sample, iter_shard, shuffled
+from ds_clip.data.wds.shardlist import expand_urls, shard_sizes, shard_weights
 from ds_clip.geometry import BatchGeometry
-from ds_clip.urls import ShardPatternError, expand_shards
 
 logger = logging.getLogger("ds_clip.data")
 
-SIZES_FILE = "sizes.json"
-_KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext: "dir/k.a.b" -> dir/k, a.b
-_LOGGED_PER_REASON = 5  # per worker and pass; the rest only counted (one bad shard must not flood the log)
 _RESAMPLED_EMPTY_DRAWS = 10  # x number of shards drawn without one valid sample -> error, not an endless loop
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Shard lists and sizes
-
-
-def _is_local(url: str) -> bool:
-    return "://" not in url and not url.startswith("pipe:")
-
-
-def _local_path(url: str) -> str:
-    return url[len("file:") :] if url.startswith("file:") else url
-
-
-def expand_urls(train_data: str, flag: str = "--train-data") -> list[str]:
-    """The shards of a --train-data/--val-data value: `ds_clip.urls.expand_shards` (braces, globs,
-    "::", `pipe:`, `file:`, URLs; local shards must exist), its errors as DataError naming `flag`."""
-    try:
-        return expand_shards(train_data, flag)
-    except ShardPatternError as exc:
-        raise DataError(str(exc)) from None
-
-
-def shard_weights(train_data: str, factors: str | None) -> list[float] | None:
-    """Per shard of `expand_urls(train_data)`, the factor of its "::"-joined source (open_clip's
-    expand_urls(urls, weights)); None without factors. The count and values were validated with the flag."""
-    if factors is None:
-        return None
-    weights: list[float] = []
-    for source, factor in zip(train_data.split("::"), factors.split("::"), strict=True):
-        weights += [float(factor)] * len(expand_urls(source.strip()))
-    return weights
-
-
-def _split_name(name: str) -> tuple[str | None, str | None]:
-    base = os.path.basename(name)
-    if base.startswith("__") or base.startswith("."):  # webdataset metadata, macOS "._" files
-        return None, None
-    match = _KEY_EXT.match(name)
-    if not match:
-        return None, None
-    return match.group(1), match.group(2).lower()
-
-
-def count_samples(url: str) -> int:
-    """Number of samples (runs of tar members sharing a key) in one shard; reads headers only where it can."""
-    count, key = 0, None
-    try:
-        if _is_local(url):
-            tf = tarfile.open(_local_path(url), mode="r:*")  # seekable: skips member data
-            stream = None
-        else:
-            stream = gopen(url, "rb")
-            tf = tarfile.open(fileobj=stream, mode="r|*")
-        with tf:
-            for info in tf:
-                k, _ = _split_name(info.name) if info.isfile() else (None, None)
-                if k is not None and k != key:
-                    count, key = count + 1, k
-        if stream is not None:
-            stream.close()
-    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
-        logger.warning("counting samples of shard %s stopped at %d: %s", url, count, exc)
-    return count
-
-
-def shard_sizes(urls: list[str]) -> list[int]:
-    """Samples per shard: from sizes.json next to local shards where listed, else by scanning the shard."""
-    tables: dict[str, dict[str, int]] = {}
-    sizes: list[int] = []
-    scanned = 0
-    for url in urls:
-        size = None
-        if _is_local(url):
-            path = _local_path(url)
-            folder = os.path.dirname(os.path.abspath(path))
-            if folder not in tables:
-                tables[folder] = _read_sizes(os.path.join(folder, SIZES_FILE))
-            size = tables[folder].get(os.path.basename(path))
-        if size is None:
-            size, scanned = count_samples(url), scanned + 1
-        sizes.append(int(size))
-    if scanned:
-        logger.info(
-            "counted samples of %d of %d shards by scanning them (no %s entry)",
-            scanned,
-            len(urls),
-            SIZES_FILE,
-        )
-    return sizes
-
-
-def _read_sizes(path: str) -> dict[str, int]:
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path) as f:
-            table = json.load(f)
-        return {str(k): int(v) for k, v in table.items()}
-    except (OSError, ValueError, AttributeError) as exc:
-        raise DataError(f"{path} is not a JSON object of shard name -> sample count: {exc}") from exc
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Reading, skipping and decoding samples (runs inside DataLoader workers)
-
-
-@dataclass
-class RawSample:
-    url: str
-    key: str
-    data: dict[str, bytes]
-
-
-class SkipCounter:
-    """Counts bad samples per reason and keeps a message for the first few of each reason.
-
-    Workers do not log: counts and messages travel with the next micro-batch to the main process, which
-    adds them to `skip_counts` and logs them (one writer, whatever the worker start method).
-    """
-
-    def __init__(self, *, enabled: bool = True) -> None:
-        self.enabled = enabled
-        self.pending: dict[str, int] = {}
-        self.messages: list[str] = []
-        self.logged: dict[str, int] = {}
-
-    def add(self, reason: str, url: str, detail: str = "", n: int = 1) -> None:
-        if not self.enabled:
-            return
-        self.pending[reason] = self.pending.get(reason, 0) + n
-        seen = self.logged.get(reason, 0)
-        if seen < _LOGGED_PER_REASON:
-            last = seen == _LOGGED_PER_REASON - 1
-            suffix = " (further ones of this reason in this worker are only counted)" if last else ""
-            self.messages.append(f"skipped {reason} in shard {url}: {detail}{suffix}")
-        self.logged[reason] = seen + 1
-
-    def take(self) -> tuple[dict[str, int], list[str]]:
-        out = self.pending, self.messages
-        self.pending, self.messages = {}, []
-        return out
-
-
-class _CountingReader:
-    """Counts the bytes read: how a tar that breaks off exactly between members is told from a whole one
-    (tarfile's stream mode takes both for the end of the archive)."""
-
-    def __init__(self, stream: Any) -> None:
-        self.stream, self.bytes_read = stream, 0
-
-    def read(self, size: int = -1) -> bytes:
-        data = self.stream.read(size)
-        self.bytes_read += len(data)
-        return data
-
-
-def iter_shard(url: str, counter: SkipCounter, skip: int = 0, take: int | None = None) -> Iterator[RawSample]:
-    """Samples of one shard (member bytes by lower-case extension), after the first `skip`, at most `take`.
-
-    A shard that cannot be opened or is not a tar counts as "unreadable_shard", one that breaks off as
-    "truncated_tar" (its sample in progress is dropped); fewer samples than planned as "short_shard".
-    """
-    stream = None
-    index, key, current = -1, None, {}
-    yielded = 0
-    try:
-        stream = gopen(url, "rb")
-        reader = _CountingReader(stream)
-        tf = tarfile.open(fileobj=reader, mode="r|*")
-        for info in tf:
-            k, ext = _split_name(info.name) if info.isfile() else (None, None)
-            if k is None:
-                continue
-            if k != key:
-                if key is not None and index >= skip:
-                    yield RawSample(url, key, current)
-                    yielded += 1
-                index, key, current = index + 1, k, {}
-                if take is not None and index >= skip + take:
-                    return
-            if index >= skip:
-                member = tf.extractfile(info)
-                current[ext] = member.read() if member is not None else b""
-        # A whole (uncompressed) tar ends with a zero block after the last member; tarfile stops silently
-        # when the bytes simply end there instead.
-        if (
-            getattr(tf.fileobj, "comptype", "tar") == "tar"
-            and reader.bytes_read < tf.offset + tarfile.BLOCKSIZE
-        ):
-            raise tarfile.ReadError(f"data ends at byte {reader.bytes_read} without the end-of-archive block")
-        if key is not None and index >= skip:
-            yield RawSample(url, key, current)
-            yielded += 1
-        if take is not None and yielded < take:
-            counter.add(
-                "short_shard", url, f"{take - yielded} fewer samples than its size says", take - yielded
-            )
-    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
-        counter.add("unreadable_shard" if index < 0 else "truncated_tar", url, f"{type(exc).__name__}: {exc}")
-    finally:
-        if stream is not None:
-            try:
-                stream.close()
-            except Exception:  # noqa: BLE001 - a pipe closed early exits non-zero; nothing to do about it
-                pass
-
-
-def shuffled(samples: Iterator[RawSample], bufsize: int, rng: random.Random) -> Iterator[RawSample]:
-    """Seeded buffer shuffle (webdataset's scheme, deterministic for a given rng)."""
-    if bufsize <= 1:
-        yield from samples
-        return
-    buffer: list[RawSample] = []
-    for sample in samples:
-        if len(buffer) < bufsize:
-            buffer.append(sample)
-            continue
-        i = rng.randrange(bufsize)
-        buffer[i], sample = sample, buffer[i]
-        yield sample
-    rng.shuffle(buffer)
-    yield from buffer
-
-
-def _first(data: dict[str, bytes], exts: tuple[str, ...]) -> bytes | None:
-    for ext in exts:
-        if ext in data:
-            return data[ext]
-    return None
-
-
-def decode_sample(
-    raw: RawSample,
-    *,
-    image_exts: tuple[str, ...],
-    caption_exts: tuple[str, ...],
-    preprocess: Callable[[Image.Image], torch.Tensor],
-    tokenizer: Callable[[list[str]], Any],
-) -> tuple[torch.Tensor, torch.Tensor] | str:
-    """The (image, tokens) pair of a raw sample, or the reason it is skipped."""
-    image_bytes = _first(raw.data, image_exts)
-    if image_bytes is None:
-        return "missing_image"
-    caption_bytes = _first(raw.data, caption_exts)
-    if caption_bytes is None:
-        return "missing_caption"
-    try:
-        caption = caption_bytes.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        return "bad_caption"
-    if not caption:
-        return "missing_caption"
-    try:
-        with Image.open(io.BytesIO(image_bytes)) as im:
-            image = im.convert("RGB")  # forces the full decode: a broken file fails here, not later
-    except Exception:  # noqa: BLE001 - PIL raises many types for bad bytes; all mean "undecodable"
-        return "bad_image"
-    # preprocess/tokenizer errors are bugs, not bad data: let them propagate
-    return preprocess(image), torch.as_tensor(tokenizer([caption])[0])
 
 
 def _seed(*parts: object) -> int:
@@ -443,10 +155,6 @@ class _WorkerStream(torch.utils.data.IterableDataset):
         except DataError as exc:
             # Sent as data, not raised: a worker's exception would reach the user as a deep traceback.
             yield None, None, meta(end=True, fatal=str(exc))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The rank's loader
 
 
 class WebDatasetTrainData(TrainData):

@@ -1,0 +1,51 @@
+"""Fault injection reaches the trainer through one hook, set at start only when asked for.
+
+Contract: without DS_CLIP_INJECT_FAULT, ``faults.install`` leaves ``Trainer.before_step`` None (a normal run
+pays one ``is None`` check per step); with it, the hook poisons exactly the chosen batch of the chosen rank
+and hands every other batch on untouched; a value that cannot be read fails at start, not at that step.
+(What the faults do to a real run is tests/faults/test_faults.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_clip import faults
+from ds_clip.trainer import Trainer
+
+
+class _Run:
+    """Stands for a built Trainer: install() only sets an attribute."""
+
+    before_step = Trainer.before_step
+
+
+def _micro_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.zeros(2, 3, 4, 4), torch.ones(2, 5, dtype=torch.long)) for _ in range(2)]
+
+
+def test_no_hook_without_the_variable(monkeypatch):
+    monkeypatch.delenv(faults.ENV, raising=False)
+    run = _Run()
+    faults.install(run)
+    assert Trainer.before_step is None and run.before_step is None
+
+
+def test_hook_poisons_the_chosen_batch_and_rank_only(monkeypatch):
+    monkeypatch.setenv(faults.ENV, "nan@1:0")
+    run = _Run()
+    faults.install(run)
+    assert run.before_step is not None
+    untouched = _micro_batches()
+    assert run.before_step(untouched, 0, 0) is untouched  # another batch
+    assert run.before_step(untouched, 1, 1) is untouched  # another rank
+    poisoned = run.before_step(_micro_batches(), 1, 0)
+    assert torch.isnan(poisoned[0][0]).all() and torch.equal(poisoned[0][1], untouched[0][1])
+    assert torch.equal(poisoned[1][0], untouched[1][0])  # the other micro-batches as they were
+
+
+def test_unreadable_value_fails_at_install(monkeypatch):
+    monkeypatch.setenv(faults.ENV, "nan@x:0")
+    with pytest.raises(ValueError, match="KIND@STEP"):
+        faults.install(_Run())
