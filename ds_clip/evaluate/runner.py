@@ -1,0 +1,116 @@
+"""One evaluation of --val-data (a collective: every rank embeds its slice, features are gathered, every rank
+returns the same metrics), on any forward or on the DeepSpeed engine."""
+
+from __future__ import annotations
+
+import torch
+
+from ds_clip import distributed
+from ds_clip.distributed import all_gather_rows, all_reduce_max
+from ds_clip.evaluate.classes import load_zeroshot
+from ds_clip.evaluate.datasets import _padding, iter_val_batches
+from ds_clip.evaluate.metrics import contrastive_val_loss, retrieval_metrics, zeroshot_accuracy
+from ds_clip.evaluate.settings import EvalSettings, Forward
+from ds_clip.evaluate.zeroshot import zeroshot_classifier
+
+
+@torch.no_grad()
+def evaluate(
+    forward: Forward,
+    s: EvalSettings,
+    *,
+    preprocess,
+    tokenizer,
+    workers: int = 0,
+    device: torch.device | str = "cpu",
+) -> dict[str, float]:
+    """Every rank calls this (a collective); every rank returns the same metrics.
+
+    ``forward(image=..., text=...)`` returns open_clip's output dict (either input may be None).
+    """
+    rank, world = distributed.rank(), distributed.world_size()
+    classnames, templates = load_zeroshot(s.zeroshot_classes) if s.zeroshot_classes else (None, None)
+    batches = list(
+        iter_val_batches(
+            s,
+            rank=rank,
+            world=world,
+            preprocess=preprocess,
+            tokenizer=tokenizer,
+            classnames=classnames,
+            workers=workers,
+        )
+    )
+    # ZeRO-3 gathers parameters inside forward: every rank must run the same number of forwards.
+    n_forward = int(all_reduce_max(torch.tensor([len(batches)])))
+    idx, imgs, txts, labels = [], [], [], []
+    out: dict = {}
+    for b in range(n_forward):
+        pad = b >= len(batches)
+        i, image, text, label = (
+            batches[b] if not pad else (batches or [_padding(s, preprocess, tokenizer)])[-1]
+        )
+        out = forward(image=image.to(device), text=text.to(device))
+        if pad:
+            continue
+        idx.append(i)
+        # Features stay where the model put them (the GPU) until they are gathered.
+        imgs.append(out["image_features"].float())
+        txts.append(out["text_features"].float())
+        labels.append(label)
+    dim = out["image_features"].shape[-1]
+    feat_device = out["image_features"].device
+    cat = lambda xs, shape, dt, dev: torch.cat(xs) if xs else torch.zeros(shape, dtype=dt, device=dev)  # noqa: E731
+    # Gathered on the device (NCCL has no CPU backend), then brought to the host for the metrics, whose
+    # memory is O(chunk * N_val) on the CPU rather than on the accelerator.
+    order_idx = all_gather_rows(cat(idx, (0,), torch.long, "cpu")).cpu()
+    image_f = all_gather_rows(cat(imgs, (0, dim), torch.float32, feat_device)).cpu()
+    text_f = all_gather_rows(cat(txts, (0, dim), torch.float32, feat_device)).cpu()
+    label_all = all_gather_rows(cat(labels, (0,), torch.long, "cpu")).cpu()
+    order = order_idx.argsort()
+    image_f, text_f, label_all = image_f[order], text_f[order], label_all[order]
+    if torch.unique(order_idx).numel() != order_idx.numel():
+        raise RuntimeError("evaluation counted a sample twice: the per-rank slices overlap")
+    scale = float(out["logit_scale"].float().reshape(-1)[0])
+    bias = out.get("logit_bias")
+    metrics: dict[str, float] = {"val_samples": float(image_f.shape[0])}
+    metrics["val_loss"] = contrastive_val_loss(
+        image_f, text_f, scale, None if bias is None else float(bias.float().reshape(-1)[0])
+    )
+    metrics.update(retrieval_metrics(image_f, text_f))
+    if classnames:
+        classifier = zeroshot_classifier(
+            forward, tokenizer, classnames, templates, device=device, image=image
+        )
+        metrics.update(zeroshot_accuracy(image_f, label_all, classifier.cpu()))
+    return metrics
+
+
+def engine_forward(engine) -> Forward:
+    """The engine's top-level forward with inputs cast to its dtype (bf16/fp16 engines)."""
+    from ds_clip.step import input_dtype
+
+    dtype = input_dtype(engine)
+
+    def forward(image=None, text=None):
+        return engine(image=None if image is None else image.to(dtype), text=text)
+
+    return forward
+
+
+def run_on_engine(engine, s: EvalSettings, *, preprocess, tokenizer, workers: int = 0) -> dict[str, float]:
+    """Evaluate the engine's model (every rank calls this); restores train mode."""
+    was_training = engine.module.training
+    engine.eval()
+    try:
+        return evaluate(
+            engine_forward(engine),
+            s,
+            preprocess=preprocess,
+            tokenizer=tokenizer,
+            workers=workers,
+            device=engine.device,
+        )
+    finally:
+        if was_training:
+            engine.train()
