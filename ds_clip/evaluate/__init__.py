@@ -23,14 +23,17 @@ training never reaches); webdataset shards are read in order, undecoded samples 
 
 The package by role, each module importing only from those below it (an import-linter contract):
 ``cli`` (ds-clip-eval) | ``evaluator`` (the trainer's cadence) -> ``runner`` (one evaluation, a collective)
--> ``zeroshot`` (classifiers, ImageNet) | ``report`` (log line, CSV, JSON) -> ``datasets`` (what a rank
-reads) -> ``classes`` (class names, templates) | ``metrics`` (pure functions) -> ``settings``.
+-> ``zeroshot`` (classifiers, class-folder zero-shot) | ``report`` (log line, CSV, JSON) | ``inputs`` (every
+input checked before the first step) -> ``datasets`` (what a rank reads) -> ``classes`` (class names,
+templates) | ``metrics`` (pure functions) | ``agree`` (the ranks agree that an evaluation failed) ->
+``settings``.
 """
 
-from ds_clip.evaluate.classes import label_from_caption, load_zeroshot
+from ds_clip.evaluate.classes import folder_classes, label_from_caption, load_templates, load_zeroshot
 from ds_clip.evaluate.cli import SHARED_FLAGS, build_parser, main
-from ds_clip.evaluate.datasets import imagenet_samples, iter_val_batches
+from ds_clip.evaluate.datasets import class_folder_samples, imagenet_samples, iter_val_batches
 from ds_clip.evaluate.evaluator import Evaluator
+from ds_clip.evaluate.inputs import check_train_inputs, check_val_data, check_zeroshot_folder
 from ds_clip.evaluate.metrics import (
     IMAGENET_METRICS,
     RECALL_KS,
@@ -47,12 +50,33 @@ from ds_clip.evaluate.settings import (
     SYNTHETIC,
     SYNTHETIC_VAL_OFFSET,
     EvalError,
+    EvalFailed,
     EvalSettings,
     Forward,
+    is_table,
 )
-from ds_clip.evaluate.zeroshot import imagenet_zeroshot, zeroshot_classifier
+from ds_clip.evaluate.zeroshot import (
+    ClassFolderTask,
+    classify_folders,
+    folder_task,
+    imagenet_tasks,
+    imagenet_zeroshot,
+    zeroshot_classifier,
+)
 
 __all__ = [
+    "ClassFolderTask",
+    "EvalFailed",
+    "check_train_inputs",
+    "check_val_data",
+    "check_zeroshot_folder",
+    "class_folder_samples",
+    "classify_folders",
+    "folder_classes",
+    "folder_task",
+    "imagenet_tasks",
+    "is_table",
+    "load_templates",
     "DEFAULT_SYNTHETIC_VAL_SAMPLES",
     "EVAL_BATCH_SIZE",
     "IMAGENET_METRICS",

@@ -1,15 +1,17 @@
-"""The validation samples one rank reads: held-out synthetic pairs, webdataset shards (samples i with
-i % world == rank), and the images of a class-folder tree."""
+"""The validation samples one rank reads (samples i with i % world == rank): held-out synthetic pairs, a
+CSV/TSV file (open_clip's --val-data), webdataset shards; and the images of a class-folder tree."""
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from ds_clip.config import imagenet_class_folders
+from ds_clip.data.table import CsvPairs
 from ds_clip.evaluate.classes import label_from_caption
 from ds_clip.evaluate.settings import (
     DEFAULT_SYNTHETIC_VAL_SAMPLES,
@@ -86,6 +88,44 @@ def _wds_samples(s: EvalSettings, rank: int, world: int, preprocess, tokenizer, 
         logger.warning("val rank %d: skipped %s", rank, pending)
 
 
+def _plain(preprocess):
+    """The model's preprocess with the (epoch, sample) keywords of the training data's seeded transform,
+    which evaluation does not use (no augmentation)."""
+    return lambda image, epoch=0, sample=0: preprocess(image)
+
+
+def table_rows(s: EvalSettings, preprocess, tokenizer) -> CsvPairs:
+    """The rows of a --val-data CSV/TSV file (open_clip's columns: --csv-img-key, --csv-caption-key,
+    --csv-separator), read by the training data's reader; ``load(row)`` gives a pair or a skip reason."""
+    from ds_clip.data.table import read_table
+
+    paths, captions = read_table(
+        os.path.expanduser(s.val_data), s.csv_img_key, s.csv_caption_key, s.csv_separator, "--val-data"
+    )
+    return CsvPairs(
+        paths=paths, captions=captions, seed=0, preprocess=_plain(preprocess), tokenizer=tokenizer
+    )
+
+
+def _table_samples(s: EvalSettings, rank: int, world: int, preprocess, tokenizer, classnames) -> Iterator:
+    """Rows i with i % world == rank, in file order; a row whose image is missing or undecodable (or whose
+    caption is empty) is skipped and counted, as a bad webdataset sample is."""
+    rows = table_rows(s, preprocess, tokenizer)
+    n = len(rows) if s.val_num_samples is None else min(len(rows), s.val_num_samples)
+    skipped: dict[str, int] = {}
+    first = ""
+    for index in range(rank, n, world):
+        out = rows.load(index)
+        if isinstance(out[0], str):
+            skipped[out[0]] = skipped.get(out[0], 0) + 1
+            first = first or f"row {index} ({rows.paths[index]!r}): {out[1]}"
+            continue
+        label = label_from_caption(rows.captions[index], classnames) if classnames else -1
+        yield index, out[0], out[1], label
+    if skipped:
+        logger.warning("val rank %d: skipped %s in %s (first: %s)", rank, skipped, s.val_data, first)
+
+
 def iter_val_batches(
     s: EvalSettings,
     *,
@@ -96,14 +136,16 @@ def iter_val_batches(
     classnames: list[str] | None,
     workers: int = 0,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """This rank's batches of (indices, images, tokens, labels): samples i with i % world == rank."""
+    """This rank's batches of (indices, images, tokens, labels): samples i with i % world == rank, of the
+    synthetic pairs, a CSV/TSV file or webdataset shards."""
     if s.val_data == SYNTHETIC:
         n = s.val_num_samples or DEFAULT_SYNTHETIC_VAL_SAMPLES
         ds = _SyntheticVal(s, list(range(rank, n, world)), preprocess, tokenizer, classnames)
         yield from torch.utils.data.DataLoader(ds, batch_size=s.batch_size, num_workers=workers)
         return
+    read = _table_samples if s.table else _wds_samples
     batch: list = []
-    for sample in _wds_samples(s, rank, world, preprocess, tokenizer, classnames):
+    for sample in read(s, rank, world, preprocess, tokenizer, classnames):
         batch.append(sample)
         if len(batch) == s.batch_size:
             yield _collate(batch)
@@ -145,9 +187,9 @@ class _ClassImages(torch.utils.data.Dataset):
             return self.preprocess(im.convert("RGB")), label
 
 
-def imagenet_samples(folder: str, flag: str) -> list[tuple[str, int]]:
-    """(image path, class index into open_clip's IMAGENET_CLASSNAMES) of every image, in a fixed order."""
-    labels = imagenet_class_folders(folder, flag)
+def class_folder_samples(folder: str, labels: dict[str, int]) -> list[tuple[str, int]]:
+    """(image path, label) of every image of the class folders ``labels`` ({sub-folder: class index}) of
+    ``folder``, in a fixed order (folders sorted, then files sorted)."""
     root = Path(folder).expanduser()
     return [
         (str(p), labels[name])
@@ -155,3 +197,8 @@ def imagenet_samples(folder: str, flag: str) -> list[tuple[str, int]]:
         for p in sorted((root / name).iterdir())
         if p.suffix.lower() in _IMAGE_SUFFIXES
     ]
+
+
+def imagenet_samples(folder: str, flag: str) -> list[tuple[str, int]]:
+    """(image path, class index into open_clip's IMAGENET_CLASSNAMES) of every image, in a fixed order."""
+    return class_folder_samples(folder, imagenet_class_folders(folder, flag))

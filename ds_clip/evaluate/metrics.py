@@ -12,6 +12,8 @@ RECALL_KS = (1, 5, 10)
 _CHUNK = 1024  # rows of the similarity matrix held at once: memory O(chunk * N_val)
 # --imagenet-val / --imagenet-v2 -> the metric names open_clip_train logs (imagenet-zeroshot-val-top1 ...).
 IMAGENET_METRICS = {"--imagenet-val": "imagenet-zeroshot-val", "--imagenet-v2": "imagenetv2-zeroshot-val"}
+# --zeroshot-folder -> zeroshot-folder-top1, -top5, -samples (the same metrics as ImageNet's).
+FOLDER_METRIC = "zeroshot-folder"
 
 
 def retrieval_metrics(image: torch.Tensor, text: torch.Tensor) -> dict[str, float]:

@@ -3,14 +3,17 @@ returns the same metrics), on any forward or on the DeepSpeed engine."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ds_clip import distributed
 from ds_clip.distributed import all_gather_rows, all_reduce_max
+from ds_clip.evaluate.agree import agree, describe
 from ds_clip.evaluate.classes import load_zeroshot
 from ds_clip.evaluate.datasets import _padding, iter_val_batches
 from ds_clip.evaluate.metrics import contrastive_val_loss, retrieval_metrics, zeroshot_accuracy
-from ds_clip.evaluate.settings import EvalSettings, Forward
+from ds_clip.evaluate.settings import EvalFailed, EvalSettings, Forward
 from ds_clip.evaluate.zeroshot import zeroshot_classifier
 
 
@@ -23,34 +26,53 @@ def evaluate(
     tokenizer,
     workers: int = 0,
     device: torch.device | str = "cpu",
+    before_read: Callable[[], None] | None = None,
 ) -> dict[str, float]:
-    """Every rank calls this (a collective); every rank returns the same metrics.
+    """Every rank calls this (a collective); every rank returns the same metrics, or raises ``EvalFailed``
+    (every rank together) when some rank could not read its samples or run its forwards.
 
     ``forward(image=..., text=...)`` returns open_clip's output dict (either input may be None).
+    ``before_read``: called where this rank reads its samples (fault injection; None in a normal run).
     """
     rank, world = distributed.rank(), distributed.world_size()
     classnames, templates = load_zeroshot(s.zeroshot_classes) if s.zeroshot_classes else (None, None)
-    batches = list(
-        iter_val_batches(
-            s,
-            rank=rank,
-            world=world,
-            preprocess=preprocess,
-            tokenizer=tokenizer,
-            classnames=classnames,
-            workers=workers,
-        )
-    )
+    # This rank's samples, all read before the first collective: a read that fails (a shard gone, a
+    # network store down) is agreed on below instead of raised here.
+    error = None
+    try:
+        if before_read is not None:
+            before_read()
+        batches = list(
+            iter_val_batches(
+                s, rank=rank, world=world, preprocess=preprocess, tokenizer=tokenizer, classnames=classnames,
+                workers=workers,
+            )
+        )  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - any read failure of one rank is agreed on, then reported
+        batches, error = [], f"--val-data {s.val_data}: {describe(exc)}"
     # ZeRO-3 gathers parameters inside forward: every rank must run the same number of forwards.
-    n_forward = int(all_reduce_max(torch.tensor([len(batches)])))
+    n_forward, failed = all_reduce_max(torch.tensor([len(batches), error is not None])).tolist()
+    if failed:
+        agree(error)
+    if n_forward == 0:  # the same on every rank
+        raise EvalFailed(
+            f"--val-data {s.val_data}: no sample could be read on any rank (see the skipped-sample warnings)"
+        )
     idx, imgs, txts, labels = [], [], [], []
     out: dict = {}
-    for b in range(n_forward):
-        pad = b >= len(batches)
-        i, image, text, label = (
-            batches[b] if not pad else (batches or [_padding(s, preprocess, tokenizer)])[-1]
-        )
-        out = forward(image=image.to(device), text=text.to(device))
+    for b in range(int(n_forward)):
+        pad = b >= len(batches) or error is not None
+        if not pad:
+            i, image, text, label = batches[b]
+        elif batches and error is None:
+            i, image, text, label = batches[-1]
+        else:  # no batch here, or this rank's forward failed: any valid input keeps the forward count
+            i, image, text, label = _padding(s, preprocess, tokenizer)
+        try:
+            out = forward(image=image.to(device), text=text.to(device))
+        except Exception as exc:  # noqa: BLE001 - agreed on after the loop; the padding forwards go on
+            error = error or f"evaluation forward: {describe(exc)}"
+            continue
         if pad:
             continue
         idx.append(i)
@@ -58,6 +80,7 @@ def evaluate(
         imgs.append(out["image_features"].float())
         txts.append(out["text_features"].float())
         labels.append(label)
+    agree(error)
     dim = out["image_features"].shape[-1]
     feat_device = out["image_features"].device
     cat = lambda xs, shape, dt, dev: torch.cat(xs) if xs else torch.zeros(shape, dtype=dt, device=dev)  # noqa: E731
@@ -98,7 +121,15 @@ def engine_forward(engine) -> Forward:
     return forward
 
 
-def run_on_engine(engine, s: EvalSettings, *, preprocess, tokenizer, workers: int = 0) -> dict[str, float]:
+def run_on_engine(
+    engine,
+    s: EvalSettings,
+    *,
+    preprocess,
+    tokenizer,
+    workers: int = 0,
+    before_read: Callable[[], None] | None = None,
+) -> dict[str, float]:
     """Evaluate the engine's model (every rank calls this); restores train mode."""
     was_training = engine.module.training
     engine.eval()
@@ -110,6 +141,7 @@ def run_on_engine(engine, s: EvalSettings, *, preprocess, tokenizer, workers: in
             tokenizer=tokenizer,
             workers=workers,
             device=engine.device,
+            before_read=before_read,
         )
     finally:
         if was_training:

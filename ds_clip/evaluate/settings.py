@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ds_clip.config import DataSettings, EvalSectionSettings, TrainSettings
-from ds_clip.errors import UserError
+from ds_clip.errors import RunError, UserError
 
 SYNTHETIC = "synthetic"
 SYNTHETIC_VAL_OFFSET = 2**40
@@ -19,6 +19,26 @@ Forward = Callable[..., dict]
 
 class EvalError(UserError):
     """Bad evaluation input (a flag, file or pattern); the message names it."""
+
+
+class EvalFailed(RunError):
+    """An evaluation that could not finish on some rank (its samples unreadable, a forward that raised).
+    Every rank raises it together, with the same message (the ranks agree on it before any further
+    collective), so the trainer can log it and train on."""
+
+
+_TABLE_SUFFIXES = (".csv", ".tsv")
+
+
+def is_table(val_data: str, dataset_type: str = "auto") -> bool:
+    """Whether --val-data is a CSV/TSV file, read as open_clip reads it: a .csv/.tsv file, or a file (not a
+    .tar shard) when --dataset-type is csv (open_clip reads --val-data with the training data's type)."""
+    if val_data == SYNTHETIC:
+        return False
+    low = val_data.lower()
+    return low.endswith(_TABLE_SUFFIXES) or (
+        dataset_type == "csv" and not low.endswith(".tar") and "::" not in low and "{" not in low
+    )
 
 
 # ds-clip-eval's own default: it runs no backward, so a larger batch fits.
@@ -48,6 +68,14 @@ class EvalSettings:
     """--image-key."""
     caption_key: str = DataSettings.caption_key
     """--caption-key."""
+    table: bool = False
+    """--val-data is a CSV/TSV file (``is_table``), read with the three --csv-* keys below."""
+    csv_separator: str = DataSettings.csv_separator
+    """--csv-separator."""
+    csv_img_key: str = DataSettings.csv_img_key
+    """--csv-img-key."""
+    csv_caption_key: str = DataSettings.csv_caption_key
+    """--csv-caption-key."""
 
     @classmethod
     def from_settings(cls, s: TrainSettings, image_size: int) -> EvalSettings | None:
@@ -63,4 +91,8 @@ class EvalSettings:
             image_size=image_size,
             image_key=s.data.image_key,
             caption_key=s.data.caption_key,
+            table=is_table(s.eval.val_data, s.data.dataset_type),
+            csv_separator=s.data.csv_separator,
+            csv_img_key=s.data.csv_img_key,
+            csv_caption_key=s.data.csv_caption_key,
         )
