@@ -23,9 +23,9 @@ training never reaches); webdataset shards are read in order, undecoded samples 
 
 The package by role, each module importing only from those below it (an import-linter contract):
 ``cli`` (ds-clip-eval) | ``evaluator`` (the trainer's cadence) -> ``runner`` (one evaluation, a collective)
--> ``zeroshot`` (classifiers, class-folder zero-shot) | ``report`` (log line, CSV, JSON) | ``inputs`` (every
+-> ``zeroshot`` (classifiers, class-folder zero-shot) | ``reporting`` (log line, CSV, JSON) | ``inputs`` (every
 input checked before the first step) -> ``datasets`` (what a rank reads) -> ``classes`` (class names,
-templates) | ``metrics`` (pure functions) | ``agree`` (the ranks agree that an evaluation failed) ->
+templates) | ``metrics`` (pure functions) | ``agreement`` (the ranks agree that an evaluation failed) ->
 ``settings``.
 """
 
@@ -42,7 +42,7 @@ from ds_clip.evaluate.metrics import (
     retrieval_metrics,
     zeroshot_accuracy,
 )
-from ds_clip.evaluate.report import format_line, report
+from ds_clip.evaluate.reporting import format_line, report
 from ds_clip.evaluate.runner import engine_forward, evaluate, run_on_engine
 from ds_clip.evaluate.settings import (
     DEFAULT_SYNTHETIC_VAL_SAMPLES,

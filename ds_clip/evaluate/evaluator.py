@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ds_clip import distributed
 from ds_clip.checkpoint import epochs_done_at, on_cadence
-from ds_clip.evaluate.report import report
+from ds_clip.evaluate.reporting import report
 from ds_clip.evaluate.runner import engine_forward, run_on_engine
 from ds_clip.evaluate.settings import EVAL_BATCH_SIZE, EvalFailed, EvalSettings
 from ds_clip.evaluate.zeroshot import ClassFolderTask, classify_folders

@@ -86,7 +86,7 @@ def _check_shards(s: EvalSettings) -> None:
         raise EvalError(f"--val-data {s.val_data!r}: shard {url} holds no sample")
     key, reason, members = seen[0]
     raise EvalError(
-        f"--val-data {s.val_data!r}: none of the first {len(seen)} samples of {url} has a decodable image "
+        f"--val-data {s.val_data!r}: no sample of {url} (of the first {len(seen)} read) has a decodable image "
         f"(--image-key {s.image_key}) and a caption (--caption-key {s.caption_key}): sample {key!r} holds "
         f"{', '.join('.' + m for m in members) or 'nothing'} ({reason})"
     )

@@ -9,7 +9,7 @@ import torch
 
 from ds_clip import distributed
 from ds_clip.distributed import all_gather_rows, all_reduce_max
-from ds_clip.evaluate.agree import agree, describe
+from ds_clip.evaluate.agreement import agree, describe
 from ds_clip.evaluate.classes import load_zeroshot
 from ds_clip.evaluate.datasets import _padding, iter_val_batches
 from ds_clip.evaluate.metrics import contrastive_val_loss, retrieval_metrics, zeroshot_accuracy

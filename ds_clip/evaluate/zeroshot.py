@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ds_clip import distributed
 from ds_clip.distributed import all_reduce_sum, to_device
-from ds_clip.evaluate.agree import agree, describe
+from ds_clip.evaluate.agreement import agree, describe
 from ds_clip.evaluate.classes import folder_classes, load_templates
 from ds_clip.evaluate.datasets import _ClassImages, class_folder_samples, imagenet_samples
 from ds_clip.evaluate.metrics import FOLDER_METRIC, IMAGENET_METRICS
