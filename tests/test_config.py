@@ -194,6 +194,7 @@ def test_help_names_every_flag():
     for flag in ("--accum-freq", "--batch-size", "--ds-config", "--zero-stage", "--precision", "--report-to"):
         assert flag in text
     assert "--local_rank" not in text  # set by the launcher, not by users
+    assert "SUPPRESS" not in text and "--cache-dir [VALUE]" in text  # answered open_clip flags show a metavar
 
 
 def test_argparse_type_errors_exit_2():

@@ -242,3 +242,30 @@ def test_ds_clip_eval_on_a_csv_and_class_folders(tmp_path, capsys):
     assert ev.main([str(model)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nothing to evaluate" in err[0]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_default_run_folder_is_what_the_readme_says_and_its_name_is_not_reused(tmp_path):
+    """One process, one step, no --report-to: settings.json, ds_config.json and checkpoints/ only (README.md);
+    the same --name again without --resume: exit 2, one line, the first run's files untouched."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "ds_clip.train", "--max-steps", "1", "--batch-size", "4", "--workers", "0",
+           "--logs", str(tmp_path), "--name", "plain"]  # fmt: skip
+    first = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = tmp_path / "plain"
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "ds_config.json", "settings.json"]
+    readme = (root / "README.md").read_text()
+    assert "`metrics.csv` and `tensorboard/` only with `--report-to csv,tensorboard`" in readme
+    settings = (run / "settings.json").read_text()
+    again = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr[-3000:]
+    lines = [ln for ln in again.stderr.splitlines() if ln.startswith("ds-clip-train: error:")]
+    assert len(lines) == 1 and str(run) in lines[0] and "--resume latest" in lines[0], again.stderr[-2000:]
+    assert (run / "settings.json").read_text() == settings
