@@ -8,7 +8,7 @@ import logging
 import os
 from pathlib import Path
 
-from ds_clip.evaluate.metrics import IMAGENET_METRICS, RECALL_KS
+from ds_clip.evaluate.metrics import FOLDER_METRIC, IMAGENET_METRICS, RECALL_KS
 
 logger = logging.getLogger("ds_clip")
 
@@ -23,9 +23,11 @@ def format_line(step: int, m: dict[str, float]) -> str:
             parts.append(f"{d} medR {m[f'{d}_median_rank']:.0f}")
     if "zeroshot_top1" in m:
         parts.append(f"zeroshot top1 {m['zeroshot_top1']:.3f}")
-    for name in IMAGENET_METRICS.values():
-        if f"{name}-top1" in m:
+    for name in (*IMAGENET_METRICS.values(), FOLDER_METRIC):
+        if f"{name}-top5" in m:
             parts.append(f"{name} top1/top5 {m[f'{name}-top1']:.3f}/{m[f'{name}-top5']:.3f}")
+        elif f"{name}-top1" in m:  # fewer than 5 classes
+            parts.append(f"{name} top1 {m[f'{name}-top1']:.3f}")
     return " | ".join(parts)
 
 

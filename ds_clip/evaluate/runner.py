@@ -35,11 +35,13 @@ def evaluate(
     ``before_read``: called where this rank reads its samples (fault injection; None in a normal run).
     """
     rank, world = distributed.rank(), distributed.world_size()
-    classnames, templates = load_zeroshot(s.zeroshot_classes) if s.zeroshot_classes else (None, None)
-    # This rank's samples, all read before the first collective: a read that fails (a shard gone, a
-    # network store down) is agreed on below instead of raised here.
+    # This rank's classes and samples, all read before the first collective: a read that fails (a shard gone,
+    # a network store down) is agreed on below instead of raised here.
     error = None
+    classnames, templates = None, None
     try:
+        if s.zeroshot_classes:
+            classnames, templates = load_zeroshot(s.zeroshot_classes)
         if before_read is not None:
             before_read()
         batches = list(
