@@ -152,7 +152,9 @@ def classify_folders(
 
 def _classify(
     forward, task, classifier, preprocess, batch_size, device, workers, dummy, dummy_text, rank, world
-):
+) -> dict[str, float]:
+    """One task's counts on this rank, summed over ranks; the listing and the reading are agreed on (``agree``)
+    so that a rank that fails does not leave the others in a collective."""
     error = None
     try:
         samples = task.list_samples()
