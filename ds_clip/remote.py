@@ -77,7 +77,14 @@ def open_remote(url: str, name: str) -> Remote:
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(url)
+    if "file" in _protocols(fs):
+        # A local or mounted folder: let open() create parent folders, as object stores need none.
+        fs, root = fsspec.core.url_to_fs(url, auto_mkdir=True)
     return Remote(fs=fs, root=f"{root.rstrip('/')}/{name}", url=f"{url.rstrip('/')}/{name}")
+
+
+def _protocols(fs) -> tuple[str, ...]:
+    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
 
 
 def check_writable(remote: Remote, flag: str = "--remote-sync") -> None:

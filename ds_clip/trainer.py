@@ -262,7 +262,7 @@ class Trainer:
             if info.is_main
             else None
         )
-        tb = writer.tb if writer is not None else None
+        tb = writer.scalar_sink() if writer is not None else None  # TensorBoard and W&B
         stop = StopRequest().install()
         self.engine.train()
         try:
