@@ -338,7 +338,9 @@ class CheckpointSettings:
     )
     """"latest" (the latest complete checkpoint of the run named by --name; with --remote-sync, the remote's
     when it is newer, pulled and checked first) or a checkpoint folder."""
-    remote_sync: str | None = opt(None, metavar="URL")
+    remote_sync: str | None = opt(
+        None, metavar="URL", open_clip="differs: complete checkpoints only (marker last), checked by checksum"
+    )
     """Copy the run folder (checkpoints, logs) to URL/<name> (s3://, gs:// or any fsspec URL) every
     --remote-sync-frequency seconds from a background thread, and at the end; only complete checkpoints,
     their COMPLETE marker written last. A failed sync is logged and retried, never fatal. The remote must
