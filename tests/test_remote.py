@@ -11,7 +11,8 @@
   run folder, resume from the remote, compare with an uninterrupted run (<= 1e-6); then 64 bytes flipped
   in the middle of mp_rank_00_model_states.pt: the resume is refused naming the file;
 - a save that fails on a full disk (a small tmpfs): one line, partial folder gone, last complete kept, exit
-  1; with --on-save-failure continue the run goes on and the next save, once space is back, succeeds;
+  1; with --on-save-failure continue the run goes on and the next save, once space is back, succeeds; on
+  2 ranks under the launcher every rank agrees;
 - W&B in offline mode: open_clip's metric names, project and notes, a resume logs into the same run.
 """
 
@@ -416,6 +417,23 @@ def test_full_disk_save_is_one_line_keeps_the_last_complete_and_continue_retries
     ckpts = disk / "logs" / "go" / "checkpoints"
     assert (ckpts / ck.POINTER).read_text() == ck.tag_for(6) and not (ckpts / ck.tag_for(4)).exists()
     ck.verify_resume(disk / "logs" / "go", "latest")
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_full_disk_on_two_ranks_every_rank_agrees_and_the_run_stops(model_dir, small_disk):
+    """Under `deepspeed --num_gpus 2` (ZeRO-1: each rank writes its optimizer partition): the second save
+    does not fit. Every rank reports the same line (the failing rank's file and reason), none hangs in
+    DeepSpeed's save barriers, the launcher exits 1, latest_complete still names the first checkpoint."""
+    disk = small_disk(int(_checkpoint_mib(model_dir) * 2.4))
+    args = _args(model_dir, disk / "logs", "two", "--save-every-n-steps", "2", steps=4)
+    code, out = _finish(_deepspeed(args))
+    assert code == 1 and "Traceback" not in out, out[-4000:]
+    lines = [ln for ln in out.splitlines() if ln.startswith(ERROR)]
+    assert len(lines) == W and len(set(lines)) == 1, out[-4000:]
+    assert f"checkpoint {ck.tag_for(4)} could not be saved" in lines[0] and "no space left" in lines[0]
+    ckpts = disk / "logs" / "two" / "checkpoints"
+    assert (ckpts / ck.POINTER).read_text() == ck.tag_for(2) and not (ckpts / ck.tag_for(4)).exists()
 
 
 # ------------------------------------------------------------------------------------------ W&B
