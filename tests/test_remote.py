@@ -44,7 +44,7 @@ TIMEOUT_S = 240
 ERROR = "ds-clip-train: error:"
 
 
-# ------------------------------------------------------------------------------------------ helpers
+# ------------------------------------------------------------------------------------ shared pieces
 
 
 def _fake_checkpoint(ckpt_root: Path, step: int, payload: bytes) -> Path:
@@ -117,7 +117,7 @@ def _single(args: list[str], **env: str) -> subprocess.CompletedProcess:
 
 
 def _deepspeed(args: list[str], **env: str) -> subprocess.Popen:
-    """The real launcher in its own session (so a kill takes the launcher and its ranks together)."""
+    """The real launcher in its own process group (so a kill takes the launcher and its ranks together)."""
     cmd = ["deepspeed", "--num_gpus", str(W), "--master_port", str(_free_port()), "--module", "ds_clip.train"]
     return subprocess.Popen(
         [*cmd, *args], cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
