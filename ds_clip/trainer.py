@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ds_clip import checkpoint, distributed, evaluate, faults
+from ds_clip import checkpoint, distributed, evaluate, faults, remote
 from ds_clip.checkpoint import Checkpointer
 from ds_clip.clamp import clamp_logit_scale
 from ds_clip.config import (
@@ -119,6 +119,11 @@ class Trainer:
         self.run_dir = run_dir = self._open_run_folder()
         _configure_logging(s.logging, info)
         self._log_precision()
+        # Before the model and the engine: an unusable remote, or a checkpoint whose bytes changed since its
+        # save, is one line (exit 2); a newer checkpoint on the remote is pulled for --resume latest.
+        self.remote_sync = remote.start_sync(s.checkpoint, run_dir)
+        if s.checkpoint.resume:
+            checkpoint.verify_resume(run_dir, s.checkpoint.resume)
 
         self.bundle = bundle = build_model_bundle(s.model, seed=s.data.seed)
         check_tokenizer_fits(bundle.model, bundle.tokenizer, s.model.model)  # the data is tokenized by it
@@ -257,7 +262,7 @@ class Trainer:
             if info.is_main
             else None
         )
-        tb = writer.tb if writer is not None else None
+        tb = writer.scalar_sink() if writer is not None else None  # TensorBoard and W&B
         stop = StopRequest().install()
         self.engine.train()
         try:
@@ -302,6 +307,8 @@ class Trainer:
             stop.uninstall()
             if writer is not None:
                 writer.close()
+            if self.remote_sync is not None:
+                self.remote_sync.close()  # the last sync: the final checkpoint and metrics go up too
         summary = self._summary(step)
         if info.is_main:
             logger.info(

@@ -230,11 +230,37 @@ def check_outputs(lg: LoggingSettings, ck: CheckpointSettings) -> None:
         "wandb" not in lg.report_to or importlib.util.find_spec("wandb") is not None,
         "--report-to wandb needs the wandb package (pip install wandb)",
     )
+    check_remote(ck)
     if lg.name is not None:
         need(
             lg.name not in ("", ".", "..") and "/" not in lg.name,
             f"--name {lg.name!r} must be a folder name, not a path",
         )
+
+
+def check_remote(ck: CheckpointSettings) -> None:
+    """--remote-sync: a URL of the chosen protocol whose fsspec file system is installed (reachability is
+    checked when the run starts)."""
+    if ck.remote_sync is None:
+        return
+    check_choice("remote_sync_protocol", ck.remote_sync_protocol)
+    check_min("remote_sync_frequency", ck.remote_sync_frequency, 1)
+    url = ck.remote_sync
+    scheme = url.split("://", 1)[0] if "://" in url else "file"
+    need(
+        ck.remote_sync_protocol != "s3" or scheme in ("s3", "s3a"),
+        f"--remote-sync {url}: --remote-sync-protocol s3 needs an s3:// URL; for other storage pass "
+        "--remote-sync-protocol fsspec",
+    )
+    try:
+        import fsspec
+
+        fsspec.get_filesystem_class(scheme)
+    except (ImportError, ValueError) as exc:
+        raise SettingsError(
+            f"--remote-sync {url}: no fsspec file system for {scheme}:// here ({str(exc).splitlines()[0][:160]}); "
+            "pip install 'ds_clip[remote]' (s3fs) or the fsspec package of that storage (gcsfs for gs://)"
+        ) from None
 
 
 def check_optimizer(o: OptimSettings) -> None:

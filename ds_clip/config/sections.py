@@ -333,8 +333,30 @@ class CheckpointSettings:
         open_clip="ds_clip only (open_clip: --delete-previous-checkpoint)",
     )
     """Keep only the newest N complete checkpoints; older ones are deleted after a newer one is complete."""
-    resume: str | None = opt(None, metavar="latest|DIR")
-    """"latest" (the latest complete checkpoint of the run named by --name) or a checkpoint folder."""
+    resume: str | None = opt(
+        None, metavar="latest|DIR", open_clip="differs: latest also pulls from --remote-sync when newer there"
+    )
+    """"latest" (the latest complete checkpoint of the run named by --name; with --remote-sync, the remote's
+    when it is newer, pulled and checked first) or a checkpoint folder."""
+    remote_sync: str | None = opt(
+        None, metavar="URL", open_clip="differs: complete checkpoints only (marker last), checked by checksum"
+    )
+    """Copy the run folder (checkpoints, logs) to URL/<name> (s3://, gs:// or any fsspec URL) every
+    --remote-sync-frequency seconds from a background thread, and at the end; only complete checkpoints,
+    their COMPLETE marker written last. A failed sync is logged and retried, never fatal. The remote must
+    be reachable and writable at start (else exit 2). docs/remote.md."""
+    remote_sync_frequency: int = opt(300, metavar="SECONDS", unit="seconds")
+    """Seconds between two syncs of the run folder to --remote-sync."""
+    remote_sync_protocol: str = opt(
+        "s3",
+        choices=("s3", "fsspec"),
+        open_clip="differs: s3 goes through s3fs (fsspec), not the aws command line",
+    )
+    """"s3" (an s3:// URL, through s3fs) or "fsspec" (any URL fsspec knows: gs://, az://, file://, ...)."""
+    on_save_failure: str = opt("stop", choices=("stop", "continue"), open_clip="ds_clip only")
+    """A checkpoint that cannot be written (no space, no permission, a quota) is reported in one line and its
+    partial folder removed, the last complete one kept; then "stop" (exit 1) or "continue" (keep training and
+    try again at the next save, e.g. while --remote-sync holds the last checkpoint)."""
 
 
 @dataclass
