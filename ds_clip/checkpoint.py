@@ -378,10 +378,10 @@ def check_compatible(
         )
     saved = BatchGeometry(meta["world_size"], meta["accum_freq"], meta["micro_batch_size"])
     if saved.global_batch != global_batch:
-        hint = ""
-        try:  # the --accum-freq that keeps the saved N on this run's ranks with the saved micro-batch
+        hint = f": use --global-batch-size {saved.global_batch}"
+        try:  # or the --accum-freq that keeps the saved N on this run's ranks with the saved micro-batch
             keep = BatchGeometry.for_global_batch(world_size, saved.micro_batch_size, saved.global_batch)
-            hint = f": use --batch-size {keep.micro_batch_size} --accum-freq {keep.accum_freq}"
+            hint += f" (or --batch-size {keep.micro_batch_size} --accum-freq {keep.accum_freq})"
         except ValueError:
             pass
         raise CheckpointError(

@@ -111,11 +111,17 @@ def agent_command(
     ]  # fmt: skip
 
 
-def _read(agent: Agent, seen_step: list[int], trigger: threading.Event, kill_at_step: int) -> None:
+def _read(
+    agent: Agent, seen_step: list[int], trigger: threading.Event, kill_at_step: int, log: Path | None
+) -> None:
     assert agent.proc.stdout is not None
+    sink = log.open("w") if log is not None else None
     for raw in agent.proc.stdout:
         line = raw.rstrip("\n")
         agent.lines.append((time.monotonic(), line))
+        if sink is not None:  # as it comes: a run that hangs can be read while it hangs
+            sink.write(f"{time.monotonic():.3f} {line}\n")
+            sink.flush()
         m = STEP_LINE.search(line)
         if m:
             seen_step[0] = max(seen_step[0], int(m.group(1)))
@@ -144,10 +150,17 @@ def kill_tree(pid: int) -> None:
 
 
 def two_hosts_one_dies(
-    train_args: list[str], *, kill_at_step: int, env: dict[str, str], cwd: Path, timeout_s: float
+    train_args: list[str],
+    *,
+    kill_at_step: int,
+    env: dict[str, str],
+    cwd: Path,
+    timeout_s: float,
+    log_dir: Path | None = None,
 ) -> ElasticRun:
     """Start host A (store host) and host B, SIGKILL B once a rank has logged step ``kill_at_step``, wait for
-    A. Both agents are always ended (killed on a timeout) before this returns."""
+    A. Both agents are always ended (killed on a timeout) before this returns. ``log_dir``: each agent's
+    output also goes to <log_dir>/host_<A|B>.log, line by line with its monotonic time."""
     port = free_port()
     agents: list[Agent] = []
     seen_step, trigger, threads = [0], threading.Event(), []
@@ -160,7 +173,10 @@ def two_hosts_one_dies(
             )  # fmt: skip
             agent = Agent(name, proc)
             agents.append(agent)
-            t = threading.Thread(target=_read, args=(agent, seen_step, trigger, kill_at_step), daemon=True)
+            log = None if log_dir is None else log_dir / f"host_{name}.log"
+            t = threading.Thread(
+                target=_read, args=(agent, seen_step, trigger, kill_at_step, log), daemon=True
+            )
             t.start()
             threads.append(t)
         a, b = agents

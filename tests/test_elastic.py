@@ -27,6 +27,13 @@ ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 M, N, STEPS, SAVE_EVERY, KILL_AT = 2, 8, 10, 3, 5
 TIMEOUT_S = 900
+# Attention key biases get exactly zero gradient (softmax ignores them), so AdamW at eps 1e-6 turns their
+# rounding noise into lr-sized updates that differ between any two splits of N, restart or not (8e-5 after
+# 10 steps at lr 5e-4 here, every other parameter <= 6e-8). eps 1e-4 sits below the real gradients of this
+# model, as in the equivalence and checkpoint tests (ds_clip_harness/cases.py); at lr 5e-4 the text tower's key
+# bias still drifted 1.1e-6, so lr 1e-4: the noise stays ~2e-7, while a lost optimizer state, step count,
+# learning rate or data position moves parameters by ~lr = 1e-4 per step, 100x the bound.
+ADAM_EPS, LR = 1e-4, 1e-4
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -56,6 +63,7 @@ def _args(model: str, logs: Path, name: str) -> list[str]:
         "--model", model, "--batch-size", str(M), "--global-batch-size", str(N), "--max-steps", str(STEPS),
         "--save-every-n-steps", str(SAVE_EVERY), "--log-every-n-steps", "1", "--log-dir", str(logs),
         "--name", name, "--workers", "0", "--warmup", "2", "--dist-timeout", "120", "--resume", "latest",
+        "--eps", str(ADAM_EPS), "--lr", str(LR),
     ]  # fmt: skip
 
 
@@ -72,7 +80,12 @@ def test_a_host_dies_and_the_other_finishes_the_same_run(model_dir, tmp_path):
     run of the same command (fp32, <= 1e-6 max abs), and the samples count stays N per step."""
     logs = tmp_path / "logs"
     run = two_hosts_one_dies(
-        _args(model_dir, logs, "elastic"), kill_at_step=KILL_AT, env=_env(), cwd=ROOT, timeout_s=TIMEOUT_S
+        _args(model_dir, logs, "elastic"),
+        kill_at_step=KILL_AT,
+        env=_env(),
+        cwd=ROOT,
+        timeout_s=TIMEOUT_S,
+        log_dir=tmp_path,
     )
     out = run.survivor.text
     assert run.survivor.returncode == 0, out[-6000:]
