@@ -57,8 +57,10 @@ class ElasticRun:
     """The newest step a rank had logged when the kill was sent."""
 
     def restart_timeline(self) -> dict[str, float | int | None]:
-        """Seconds from the kill to: the survivors' 'lost contact' error, the resume line, the first step trained
-        after the restart, the step the run had reached at the kill trained again; and the step resumed from."""
+        """Seconds from the kill to: the survivors' 'lost contact' error, their agent reporting the failed workers,
+        the restarted workers' first log line (after the new rendezvous and the process start), the resume line
+        (model, engine, checkpoint conversion and load), the first step trained after the restart, the step the
+        run had reached at the kill trained again; and the step resumed from."""
         after = [(t - self.kill_time, line) for t, line in self.survivor.lines if t >= self.kill_time]
 
         def first(pattern: re.Pattern | str, cond=lambda m: True) -> tuple[float | None, re.Match | None]:
@@ -69,6 +71,10 @@ class ElasticRun:
             return None, None
 
         lost, _ = first("lost contact with another rank")
+        agent, _ = first(r"failed \(exitcode")  # torchrun's agent saw its workers fail
+        workers, _ = first(
+            r"INFO ds_clip: --precision", lambda m: agent is not None
+        )  # the new workers' first line
         resumed, m = first(RESUMED_LINE)
         resumed_step = int(m.group(1)) if m else None
         tail = [(dt, line) for dt, line in after if resumed is not None and dt >= resumed]
@@ -83,6 +89,8 @@ class ElasticRun:
         )
         return {
             "lost_contact_s": lost,
+            "agent_saw_failure_s": agent,
+            "new_workers_up_s": workers,
             "resumed_s": resumed,
             "first_step_s": first_step,
             "caught_up_s": caught_up,

@@ -174,3 +174,46 @@ def test_dry_run_on_a_world_size_that_cannot_divide_n_is_exit_2(monkeypatch, cap
 def test_run_name_records_n_instead_of_k():
     s = parse_settings(["--global-batch-size", "64"])
     assert s.logging.name.endswith("-m_8-N_64")
+
+
+def test_a_data_position_saved_on_one_split_resumes_the_same_pairs_on_another(caplog):
+    """Synthetic pairs are assigned by global sample index: a position saved on (W=2, k=2) loads on (W=4, k=1)
+    without the "not the same samples" warning, and the next step trains the pairs the uninterrupted run would.
+    Another N still warns."""
+    import logging
+
+    import torchvision.transforms as T
+
+    from ds_clip.data.loader import DataSettings, build_train_data
+    from tests.data.tokens import byte_tokenizer, detok
+
+    settings = DataSettings(dataset_type="synthetic", train_num_samples=64, workers=0, seed=3)
+    pre = T.Compose([T.Resize((8, 8)), T.ToTensor()])
+
+    def data(w: int, k: int, rank: int, m: int = 2):
+        return build_train_data(
+            settings, preprocess=pre, tokenizer=byte_tokenizer, rank=rank, geometry=BatchGeometry(w, k, m)
+        )
+
+    saved = data(2, 2, 0)
+    it = saved.iter_epoch(0)
+    next(it), next(it)  # two steps trained on (W=2, k=2)
+    state = saved.state_dict()
+
+    def step_pairs(w: int, k: int, load: bool) -> set[str]:
+        pairs: set[str] = set()
+        for rank in range(w):
+            d = data(w, k, rank)
+            if load:
+                d.load_state_dict(state)
+            batch = next(d.iter_epoch(d.epoch, d.step_in_epoch if load else 2))
+            pairs |= {detok(t) for _, texts in batch.micro_batches for t in texts}
+        return pairs
+
+    with caplog.at_level(logging.WARNING, logger="ds_clip.data"):
+        resumed = step_pairs(4, 1, load=True)
+    assert "data position was saved" not in caplog.text
+    assert resumed == step_pairs(2, 2, load=False) and len(resumed) == 8
+    with caplog.at_level(logging.WARNING, logger="ds_clip.data"):
+        data(2, 4, 0).load_state_dict(state)  # N = 16, not 8
+    assert "data position was saved" in caplog.text
