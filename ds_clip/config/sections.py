@@ -492,7 +492,8 @@ class TrainSettings:
 
     Sizes: m = `optim.batch_size` pairs per rank per micro-batch, k = `optim.accum_freq` micro-batches per
     optimizer step, W = world size; one optimizer step sees N = m * k * W pairs and moves the model as one
-    process would on the whole N-pair batch (ds_clip.step says how).
+    process would on the whole N-pair batch (ds_clip.step says how). With `optim.global_batch_size` N set,
+    `optim.accum_freq` may stay None: k is derived from the world size at start (ds_clip.geometry).
 
     Field names are unique across sections (each is its flag's dest): `TrainSettings.of(batch_size=4)`
     and settings.json use them flat.
