@@ -1,4 +1,4 @@
-"""An open_clip_train command line runs unchanged (issue 21): every option of open_clip_train's own parser is
+"""An open_clip_train command line runs unchanged: every option of open_clip_train's own parser is
 either accepted by ds-clip-train with open_clip's meaning, or answered with one line (exit 2) that names the
 flag, says why ds_clip has no such thing and what to use instead. Never argparse's bare "unrecognized
 arguments" or "invalid choice" for an open_clip flag or value.
