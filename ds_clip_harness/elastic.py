@@ -207,4 +207,64 @@ def two_hosts_one_dies(
                 agent.proc.wait()
 
 
-__all__ = ["Agent", "ElasticRun", "agent_command", "free_port", "kill_tree", "two_hosts_one_dies"]
+def one_host_then_two(
+    train_args: list[str],
+    *,
+    join_at_step: int,
+    env: dict[str, str],
+    cwd: Path,
+    timeout_s: float,
+    log_dir: Path | None = None,
+) -> tuple[Agent, Agent]:
+    """Start host A alone; once a rank has logged step ``join_at_step``, start host B, which joins the running
+    job: both agents restart their workers into the larger world. Returns (A, B) after both have ended (killed
+    on a timeout). The agents run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torch 2.14's agent, sharing its
+    store with the workers, does not publish the store's address to a new round and the larger world never
+    forms (docs/global-batch.md)."""
+    port = free_port()
+    env = {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    agents: list[Agent] = []
+    threads = []
+
+    def start(name: str, is_host: bool, seen: list[int], trigger: threading.Event, at: int) -> Agent:
+        proc = subprocess.Popen(
+            agent_command(train_args, port=port, is_host=is_host),
+            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )  # fmt: skip
+        agent = Agent(name, proc)
+        agents.append(agent)
+        log = None if log_dir is None else log_dir / f"host_{name}.log"
+        t = threading.Thread(target=_read, args=(agent, seen, trigger, at, log), daemon=True)
+        t.start()
+        threads.append(t)
+        return agent
+
+    try:
+        trigger = threading.Event()
+        a = start("A", True, [0], trigger, join_at_step)
+        if not trigger.wait(timeout_s):
+            raise TimeoutError(
+                f"no rank logged step {join_at_step} within {timeout_s:.0f} s:\n{a.text[-3000:]}"
+            )
+        b = start("B", False, [0], threading.Event(), 1 << 62)
+        a.returncode = a.proc.wait(timeout=timeout_s)
+        b.returncode = b.proc.wait(timeout=timeout_s)
+        for t in threads:
+            t.join(timeout=30)
+        return a, b
+    finally:
+        for agent in agents:
+            if agent.proc.poll() is None:
+                kill_tree(agent.proc.pid)
+                agent.proc.wait()
+
+
+__all__ = [
+    "Agent",
+    "ElasticRun",
+    "agent_command",
+    "free_port",
+    "kill_tree",
+    "one_host_then_two",
+    "two_hosts_one_dies",
+]

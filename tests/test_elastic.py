@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_clip_harness.elastic import two_hosts_one_dies
+from ds_clip_harness.elastic import one_host_then_two, two_hosts_one_dies
 from ds_clip_harness.models import E2E_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,3 +134,26 @@ def test_resume_latest_without_a_checkpoint_starts_from_scratch(model_dir, tmp_p
     assert len(lines) == 1 and "starting from scratch" in lines[0], out[-3000:]
     out = run(3)
     assert "resumed from" in out and "at step 2" in out and "no complete checkpoint" not in out
+
+
+def test_a_host_that_joins_makes_the_world_larger_and_loses_no_step(model_dir, tmp_path):
+    """Host A trains alone (W=2, k=2); host B starts once step 20 is logged. torchrun SIGTERMs A's workers to
+    admit B, ds_clip saves a checkpoint at the step it is at, and the four ranks (W=4, k=1 re-derived) resume
+    from exactly that step: no step is trained twice, and the run finishes with N pairs per step."""
+    steps = 300  # long enough that A is still training when B has started (a few seconds here)
+    grow = ["--max-steps", str(steps), "--log-every-n-steps", "10", "--save-every-n-steps", "100"]
+    args = [*_args(model_dir, tmp_path / "logs", "grow"), *grow]
+    a, b = one_host_then_two(
+        args, join_at_step=20, env=_env(), cwd=ROOT, timeout_s=TIMEOUT_S, log_dir=tmp_path
+    )
+    out = a.text + "\n" + b.text
+    assert a.returncode == 0 and b.returncode == 0, out[-6000:]
+    assert "world size 2, micro-batch m=2, accum-freq k=2: global batch N=W*k*m=8" in out
+    assert "world size 4, micro-batch m=2, accum-freq k=1: global batch N=W*k*m=8" in out
+    saved = [int(s) for s in re.findall(r"received SIGTERM: saved checkpoint step_\d+ at step (\d+)", out)]
+    resumed = [int(s) for s in re.findall(r"resumed from .* at step (\d+)", out)]
+    assert saved and resumed == saved[:1], out[-4000:]
+    seen = {
+        int(s): int(n) for s, n in re.findall(r"^step (\d+)/\d+ \| epoch \d+ \| samples (\d+)", out, re.M)
+    }
+    assert seen[steps] == steps * N
