@@ -18,7 +18,8 @@ A checkpoint folder ``checkpoints/step_XXXXXXXX/`` holds DeepSpeed's files, ``ra
 (data position and RNG states), ``ds_clip_meta.json`` (step, epoch, samples, run shape, model config
 and parameter shapes, resolved settings), ``manifest.json`` and the ``COMPLETE`` marker.
 
-Resume on another world size (or ZeRO stage) keeps the global batch N = W*k*m (change --accum-freq):
+Resume on another world size (or ZeRO stage) keeps the global batch N = W*k*m (--global-batch-size re-derives
+k; with --accum-freq, change it):
 ZeRO-0 fp32 keeps its whole optimizer state in one file and loads natively; ZeRO-1/2 go through
 DeepSpeed's universal checkpoint (``deepspeed.checkpoint.ds_to_universal``, written next to the
 new run's checkpoints); ZeRO-3 takes the same universal per-parameter files, written into this
@@ -617,10 +618,10 @@ def check_compatible(
         )
     saved = BatchGeometry(meta["world_size"], meta["accum_freq"], meta["micro_batch_size"])
     if saved.global_batch != global_batch:
-        hint = ""
-        try:  # the --accum-freq that keeps the saved N on this run's ranks with the saved micro-batch
+        hint = f": use --global-batch-size {saved.global_batch}"
+        try:  # or the --accum-freq that keeps the saved N on this run's ranks with the saved micro-batch
             keep = BatchGeometry.for_global_batch(world_size, saved.micro_batch_size, saved.global_batch)
-            hint = f": use --batch-size {keep.micro_batch_size} --accum-freq {keep.accum_freq}"
+            hint += f" (or --batch-size {keep.micro_batch_size} --accum-freq {keep.accum_freq})"
         except ValueError:
             pass
         raise CheckpointError(
@@ -886,7 +887,13 @@ class Checkpointer:
         else each checkpoint records (model, precision, ...)."""
         self.engine, self.run_dir, self.data = engine, Path(run_dir), data
         self.settings, self.geometry = settings, geometry
-        self.meta = {"accum_freq": geometry.accum_freq, "micro_batch_size": geometry.micro_batch_size, **meta}
+        # N is recorded as such: a resume on another world size re-derives k from it (--global-batch-size).
+        self.meta = {
+            "accum_freq": geometry.accum_freq,
+            "micro_batch_size": geometry.micro_batch_size,
+            "global_batch_size": geometry.global_batch,
+            **meta,
+        }
         self.every_n_steps, self.every_n_epochs = section.save_every_n_steps, section.save_frequency
         self.keep = 1 if section.delete_previous_checkpoint else section.keep_checkpoints
         self.most_recent, self.steps_per_epoch = section.save_most_recent, steps_per_epoch
@@ -943,10 +950,21 @@ class Checkpointer:
                 )
 
     def resume(self, resume: str, *, shapes: dict[str, list[int]], is_main: bool) -> int:
-        """Load ``--resume`` into the engine and the data position; returns the step to continue from."""
+        """Load ``--resume`` into the engine and the data position; returns the step to continue from.
+
+        ``--resume latest`` before the run has a complete checkpoint starts from step 0 and says so in one line
+        (open_clip's behaviour): the same command then serves the first start and every restart (an elastic
+        agent's, a re-queued job's). A pointer to a checkpoint that is missing or partial stays an error."""
+        root = self.run_dir / "checkpoints"
         if is_main:
-            for p in remove_partial(self.run_dir / "checkpoints"):
+            for p in remove_partial(root):
                 logger.warning("removed partial checkpoint %s (a save that was cut short)", p)
+        # Rank 0's view decides for every rank (a collective): all start fresh or all load.
+        fresh = broadcast_object(resume == "latest" and not (root / POINTER).exists())
+        if fresh:
+            if is_main:
+                logger.info("--resume latest: no complete checkpoint in %s yet; starting from scratch", root)
+            return 0
         state = load(
             self.engine,
             self.run_dir,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -186,10 +187,23 @@ class Trainer:
             return
         if info.hosts is not None:
             logger.info("%s", info.hosts.describe())
+        derived = (
+            f" (k derived from --global-batch-size {self.s.optim.global_batch_size} on {info.world_size} ranks)"
+            if self.s.optim.global_batch_size is not None
+            else ""
+        )
         logger.info(
-            "%s; %d steps per epoch, %d steps in total; run folder %s",
-            self.geometry.describe(), self.data.steps_per_epoch, self.total_steps, self.run_dir,
+            "%s%s; %d steps per epoch, %d steps in total; run folder %s",
+            self.geometry.describe(), derived, self.data.steps_per_epoch, self.total_steps, self.run_dir,
         )  # fmt: skip
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if restarts:
+            # torchrun's elastic agent restarted the workers (a host lost or added): say what this start is.
+            logger.info(
+                "elastic restart %d: world size %d, continuing from step %d (the work since the last complete "
+                "checkpoint is trained again)",
+                restarts, info.world_size, self.start_step,
+            )  # fmt: skip
 
     def _build_evaluator(self, image_px: int) -> Evaluator:
         ev, info = self.s.eval, self.info

@@ -189,9 +189,25 @@ class OptimSettings:
 
     batch_size: int = opt(8, metavar="M", unit="pairs", open_clip="differs: default 64 there")
     """Pairs per rank per forward pass: the micro-batch m."""
-    accum_freq: int = opt(1, metavar="K", unit="micro-batches")
+    accum_freq: int | None = opt(
+        None,
+        metavar="K",
+        unit="micro-batches",
+        derived=True,
+        default_text="1; N / (W*m) with --global-batch-size",
+    )
     """k: micro-batches per optimizer step; the loss sees all N = k*m*W pairs at once (exact cached
-    features), so one step moves the model as one process would on the whole N-pair batch."""
+    features), so one step moves the model as one process would on the whole N-pair batch. With
+    --global-batch-size leave it out (k is derived); a k that disagrees with N is refused."""
+    global_batch_size: int | None = opt(None, metavar="N", unit="pairs", open_clip="ds_clip only")
+    """N: pairs per optimizer step, all ranks together. k = N / (W*m) is derived at start on whatever world
+    size W the launcher gives (logged with N, W, m); W*m must divide N. Saved in the checkpoint: a resume
+    or an elastic restart on another W re-derives k and trains the same steps (docs/global-batch.md)."""
+    recipe: str | None = opt(None, metavar="NAME|PATH", open_clip="ds_clip only")
+    """A training recipe that fixes N and the schedule: a shipped one (datacomp-small, datacomp-medium,
+    datacomp-large, datacomp-xlarge, laion400m-vit-b-32, laion400m-vit-b-16, laion400m-vit-l-14) or a JSON
+    file of settings by flag name. Flags on the command line override it, except a different
+    --global-batch-size (refused: a recipe's N is what it is)."""
     epochs: int = opt(1, metavar="N", unit="epochs", open_clip="differs: default 32 there")
     """Passes over the training data; --max-steps, when set, stops earlier."""
     max_steps: int | None = opt(None, metavar="STEPS", unit="steps", open_clip="ds_clip only")
@@ -498,7 +514,8 @@ class TrainSettings:
 
     Sizes: m = `optim.batch_size` pairs per rank per micro-batch, k = `optim.accum_freq` micro-batches per
     optimizer step, W = world size; one optimizer step sees N = m * k * W pairs and moves the model as one
-    process would on the whole N-pair batch (ds_clip.step says how).
+    process would on the whole N-pair batch (ds_clip.step says how). With `optim.global_batch_size` N set,
+    `optim.accum_freq` may stay None: k is derived from the world size at start (ds_clip.geometry).
 
     Field names are unique across sections (each is its flag's dest): `TrainSettings.of(batch_size=4)`
     and settings.json use them flat.
