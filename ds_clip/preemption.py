@@ -38,7 +38,11 @@ from ds_clip.stop_signals import STOP_SIGNALS
 
 # The reason every rank agrees on is the strongest any rank has (all_reduce_max of these codes).
 _LAUNCHER_GONE = 1
-_CODES = {signal.SIGUSR1: 2, signal.SIGINT: 3, signal.SIGTERM: 4}
+_CODES = {
+    signal.SIGUSR1: 2,
+    signal.SIGTERM: 3,
+    signal.SIGINT: 4,
+}  # Ctrl-C names a stop that launchers turn into SIGTERM
 _NAMES = {0: None, _LAUNCHER_GONE: "the launcher's exit", **{c: s.name for s, c in _CODES.items()}}
 
 # The processes that launch ranks and stop them when the job stops, as their command lines name them: a program

@@ -307,9 +307,10 @@ class Trainer:
     def _stop(self, step: int, stop: StopRequest) -> TrainSummary:
         """Every rank: save ``step`` and end the run (a signal, or the launcher gone; docs/faults.md)."""
         if self.info.is_main:
+            again = f"; {stop.reason} again stops at once" if stop.reason in ("SIGINT", "SIGTERM") else ""
             logger.info(
-                "%s: stopping after step %d, saving a checkpoint (the same signal again stops at once; the "
-                "last complete checkpoint stays usable)", stop.describe(), step,
+                "%s: stopping after step %d, saving a checkpoint%s (the last complete checkpoint stays usable)",
+                stop.describe(), step, again,
             )  # fmt: skip
         self.checkpointer.save(step)
         if self.info.is_main:

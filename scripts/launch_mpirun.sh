@@ -39,5 +39,9 @@ for v in "${forward[@]}"; do
   [[ "$v" == DS_CLIP_FORWARD_ENV || -z "${!v+x}" ]] && continue
   x_args+=(-x "$v")
 done
+# Ctrl-C or SIGTERM to mpirun: Open MPI SIGTERMs the ranks, then SIGKILLs them odls_base_sigkill_timeout seconds
+# later (default 1: too short to save). ds_clip's ranks finish the step and save on SIGTERM (docs/faults.md,
+# "Signals"), so give them MPI_SIGKILL_TIMEOUT seconds (default 120; more than one step plus one save).
 # shellcheck disable=SC2086  # MPI_ARGS is a list of flags
-exec mpirun -np "$NP" --bind-to none "${host_args[@]}" ${MPI_ARGS:-} "${x_args[@]}" python -m ds_clip.train "$@"
+exec mpirun -np "$NP" --bind-to none --mca odls_base_sigkill_timeout "${MPI_SIGKILL_TIMEOUT:-120}" \
+  "${host_args[@]}" ${MPI_ARGS:-} "${x_args[@]}" python -m ds_clip.train "$@"
