@@ -30,6 +30,7 @@ import os
 import signal
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -58,6 +59,9 @@ _LAUNCHER_MODULES = frozenset(
         "torch.distributed.launch",
     )
 )
+
+
+_OPEN_MPI = frozenset(("mpirun", "mpiexec", "orterun", "orted", "prterun", "prted"))
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,11 @@ class LauncherWatch:
             self.chain.append(p)
             parent = _parent_pid(parent)
 
+    @property
+    def is_open_mpi(self) -> bool:
+        """Started by Open MPI (mpirun, orted): once signalled, its mpirun stops relaying the ranks' output."""
+        return any({os.path.basename(a) for a in p.args[:1]} & _OPEN_MPI for p in self.chain)
+
     def gone(self) -> _Proc | None:
         """The first watched launcher process that has exited (its pid gone or reused), else None."""
         for p in self.chain:
@@ -126,7 +135,9 @@ class StopRequest:
     """Records stop signals in this rank; ``agreed_stop()`` tells every rank, the same on all, whether to
     save and stop after this step."""
 
-    def __init__(self, watch: LauncherWatch | None = None) -> None:
+    def __init__(self, watch: LauncherWatch | None = None, *, output_on_signal: Path | None = None) -> None:
+        """``output_on_signal``: where this rank's stdout and stderr go from its first signal on, under Open MPI
+        only (see ``_divert_output``); None keeps them."""
         self.signal_name: str | None = None
         """The first signal this process received (None: none yet)."""
         self.reason: str | None = None
@@ -135,6 +146,7 @@ class StopRequest:
         self.launcher_gone: _Proc | None = None
         self._code = 0
         self._owner = os.getpid()
+        self._divert_to = output_on_signal if self.watch.is_open_mpi else None
         self._previous: dict[int, object] = {}
 
     def install(self) -> StopRequest:
@@ -153,6 +165,8 @@ class StopRequest:
         if os.getpid() != self._owner:
             return  # a forked DataLoader worker inherited this handler: its rank decides, the worker ignores
         sig = signal.Signals(signum)
+        if self._divert_to is not None:
+            self._divert_output(self._divert_to)
         if self.signal_name is None:
             self.signal_name = sig.name
         self._code = max(self._code, _CODES[sig])
@@ -160,6 +174,17 @@ class StopRequest:
         # ends the process even inside a blocked collective, where a Python handler would never run.
         # A second early warning changes nothing.
         signal.signal(signum, signal.SIG_IGN if sig == signal.SIGUSR1 else signal.SIG_DFL)
+
+    def _divert_output(self, path: Path) -> None:
+        """Open MPI 4's mpirun stops reading the ranks' stdout and stderr once it is signalled (Ctrl-C, kill),
+        then sends them SIGTERM: a rank whose pipe has filled meanwhile is stuck in a write and could never save.
+        Pointing fds 1 and 2 at a file in the run folder lets that write (retried after this handler) and the
+        stop's own messages go through."""
+        self._divert_to = None
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
 
     def agreed_stop(self) -> bool:
         """True on every rank if any rank was signalled or lost its launcher (a collective: every rank calls

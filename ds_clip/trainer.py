@@ -259,7 +259,8 @@ class Trainer:
             else None
         )
         tb = writer.tb if writer is not None else None
-        stop = StopRequest().install()
+        # Under mpirun a signalled rank's output goes to this file (mpirun no longer relays it: docs/faults.md).
+        stop = StopRequest(output_on_signal=self.run_dir / f"stop-rank{info.rank}.log").install()
         self.engine.train()
         try:
             epoch, start_in_epoch = self.data.epoch, self.data.step_in_epoch

@@ -228,8 +228,10 @@ def test_ctrl_c_under_mpirun_saves_once(model_dir, tmp_path):  # noqa: F811
     """Ctrl-C (SIGINT to mpirun's process group). Open MPI 4 starts each rank in a process group of its own,
     so the terminal reaches mpirun only; mpirun sends the ranks SIGCONT at once, SIGTERM
     `odls_base_sigkill_timeout` seconds later and SIGKILL as long again after that (measured here with a
-    stand-in rank: 1 s and 2 s by default, too short for a save). With 20 s, as scripts/launch_mpirun.sh
-    sets a value for, the ranks get SIGTERM, save and exit 0; mpirun exits 1 (its job was aborted)."""
+    stand-in rank: 1 s and 2 s by default, too short for a save), and stops relaying the ranks' output, so a
+    rank whose pipe fills blocks in a write: a signalled rank moves its output to stop-rank<R>.log in the run
+    folder. With 20 s, as scripts/launch_mpirun.sh sets a value for, the ranks get SIGTERM, save and exit 0;
+    mpirun exits 1 (its job was aborted)."""
     cmd = [
         "mpirun",
         "-np",
@@ -249,6 +251,8 @@ def test_ctrl_c_under_mpirun_saves_once(model_dir, tmp_path):  # noqa: F811
     cmd += _run_args(model_dir, tmp_path, "mpi", steps=MPI_STEPS)
     env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     rc, out = _drive(cmd, [("step 2/", _killpg_action(signal.SIGINT))], env=env)
+    # mpirun no longer relays a signalled rank's output: each rank then writes to stop-rank<R>.log.
+    out += "".join(p.read_text() for p in sorted((tmp_path / "mpi").glob("stop-rank*.log")))
     _assert_stopped_and_saved(out, tmp_path / "mpi", "received SIGTERM", total=MPI_STEPS)
     _assert_nothing_left(tmp_path)
     assert rc == 1, out[-4000:]
