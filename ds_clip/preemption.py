@@ -124,9 +124,8 @@ class LauncherWatch:
         """The first watched launcher process that has exited (its pid gone or reused), else None."""
         for p in self.chain:
             now = _read_proc(p.pid)
-            if (
-                now is None or now.start != p.start or now.state in ("Z", "X")
-            ):  # exited (a zombie: not reaped)
+            # Exited: no such pid, the pid reused by a newer process, or a zombie its parent has not reaped yet.
+            if now is None or now.start != p.start or now.state in ("Z", "X"):
                 return p
         return None
 
