@@ -162,7 +162,8 @@ def test_deepspeed_launcher_trains_distilled_with_accum_freq_4(model_dir, tmp_pa
         "--log-every-n-steps", "1", "--logs", str(tmp_path), "--name", "distill", "--workers", "1",
         "--warmup", "1", "--distill-model", teacher,
     ]  # fmt: skip
-    proc = _run(["deepspeed", "--num_gpus", "2", "--module", "ds_clip.train", *args])
+    port = str(_free_port())  # not the launcher's default 29500, which another job on the machine may hold
+    proc = _run(["deepspeed", "--num_gpus", "2", "--master_port", port, "--module", "ds_clip.train", *args])
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     seen = [int(x) for x in re.findall(r"^step \d+/\d+ \| epoch \d+ \| samples (\d+)", proc.stdout, re.M)]
