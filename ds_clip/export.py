@@ -111,7 +111,7 @@ def export(checkpoint: str, out: str | Path) -> Path:
 
 
 def resolve_pretrained(pretrained: str | None) -> str | None:
-    """--pretrained may name an exported folder: use its weights file (files pass through unchanged)."""
+    """--pretrained may name an exported folder: use its weights file (files, tags and hub names pass through)."""
     if pretrained is None:
         return None
     p = Path(pretrained).expanduser()
@@ -124,7 +124,8 @@ def resolve_pretrained(pretrained: str | None) -> str | None:
             if (p / name).is_file():
                 return str(p / name)
         raise ExportError(f"--pretrained {pretrained}: no {WEIGHTS_FILE} (or other weights) in that folder")
-    return str(p)
+    # A tag, hf-hub:ORG/REPO or URL passes through unchanged (open_clip and ds_clip.hub resolve it).
+    return str(p) if p.exists() else pretrained
 
 
 def main(argv: list[str] | None = None) -> int:

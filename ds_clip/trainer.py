@@ -120,7 +120,9 @@ class Trainer:
         _configure_logging(s.logging, info)
         self._log_precision()
 
-        self.bundle = bundle = build_model_bundle(s.model, seed=s.data.seed)
+        self.bundle = bundle = build_model_bundle(
+            s.model, seed=s.data.seed, local_rank=info.local_rank, resuming=s.checkpoint.resume is not None
+        )
         check_tokenizer_fits(bundle.model, bundle.tokenizer, s.model.model)  # the data is tokenized by it
         # The parameter shapes are checked against a checkpoint before DeepSpeed loads it.
         shapes = checkpoint.param_shapes(bundle.model)
