@@ -115,25 +115,22 @@ def fetch_once_per_host(m: ModelSettings, *, is_fetcher: bool, load_weights: boo
     fetched: validation has already refused a cache that lacks a file. The wait is bounded by --dist-timeout."""
     from ds_clip import distributed, hub
 
-    needs = hub.model_needs(
-        m.model,
-        m.pretrained,
-        cache_dir=m.cache_dir,
-        pretrained_image=m.pretrained_image,
-        load_weights=load_weights,
-    )
-    command = hub.fetch_command(m.model, m.pretrained, m.cache_dir, m.pretrained_image)
-    if m.distill_model is not None:
-        needs += hub.model_needs(
-            m.distill_model, m.distill_pretrained, cache_dir=m.cache_dir, model_flag="--distill-model",
-            pretrained_flag="--distill-pretrained",
-        )  # fmt: skip
+    def needs_now() -> list[hub.Need]:
+        return hub.run_needs(
+            m.model, m.pretrained, cache_dir=m.cache_dir, pretrained_image=m.pretrained_image,
+            load_weights=load_weights, distill_model=m.distill_model, distill_pretrained=m.distill_pretrained,
+        )[0]  # fmt: skip
+
+    needs = needs_now()
+    command = hub.run_needs(
+        m.model, m.pretrained, cache_dir=m.cache_dir, pretrained_image=m.pretrained_image
+    )[1]
     if not needs or hub.is_offline():  # the same on every rank (same flags): no collective, or one on all
         return
     error = None
     if is_fetcher:
         try:
-            hub.fetch(needs, command)
+            hub.fetch_all(needs_now, command)
         except hub.HubError as exc:
             error = str(exc)
     try:

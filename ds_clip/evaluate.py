@@ -652,7 +652,7 @@ def report(run_dir: Path, step: int, metrics: dict[str, float], tb_writer=None) 
 
 
 # The flags ds-clip-eval shares with ds-clip-train, each defined once (ds_clip.config's fields).
-SHARED_FLAGS = ("pretrained", "val_data", "val_num_samples", "batch_size", "zeroshot_classes", "seed",
+SHARED_FLAGS = ("pretrained", "cache_dir", "val_data", "val_num_samples", "batch_size", "zeroshot_classes", "seed",
                 "image_key", "caption_key")  # fmt: skip
 
 
@@ -687,20 +687,28 @@ def main(argv: list[str] | None = None) -> int:
         name = args.model
         if Path(name).is_dir() and (Path(name) / "open_clip_config.json").is_file():
             name = f"local-dir:{name}"
+        from ds_clip.config.model_checks import check_pretrained
         from ds_clip.export import resolve_pretrained
         from ds_clip.model import build_model, load_model_cfg
 
-        try:
-            bundle = build_model(name, pretrained=resolve_pretrained(args.pretrained), seed=None)
+        if args.pretrained:
+            try:
+                check_pretrained(args.pretrained, model=name)
+            except SettingsError as exc:
+                raise EvalError(str(exc)) from exc
+        try:  # published weights: fetched into --cache-dir unless cached; offline, refused when not cached
+            bundle = build_model(
+                name, pretrained=resolve_pretrained(args.pretrained), seed=None, cache_dir=args.cache_dir
+            )
         except (RuntimeError, ValueError, FileNotFoundError) as exc:
             raise EvalError(f"cannot load model {args.model!r}: {exc}") from exc
-    except EvalError as exc:
+    except (EvalError, UserError) as exc:
         print(f"ds-clip-eval: error: {exc}", file=sys.stderr)
         return 2
     model = bundle.model.eval()
-    size = load_model_cfg(name)["vision_cfg"].get("image_size", 224)
+    size = load_model_cfg(name, args.cache_dir)["vision_cfg"].get("image_size", 224)
     s = EvalSettings(
-        **{name: getattr(args, name) for name in SHARED_FLAGS if name != "pretrained"},
+        **{name: getattr(args, name) for name in SHARED_FLAGS if name not in ("pretrained", "cache_dir")},
         image_size=size if isinstance(size, int) else size[0],
     )
     metrics = evaluate(

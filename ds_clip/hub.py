@@ -22,7 +22,7 @@ import contextlib
 import json
 import os
 import shlex
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,9 +158,13 @@ def model_needs(
         path = config.cached()
         model_cfg = json.loads(Path(path).read_text()).get("model_cfg") if path else None
     elif model.startswith(LOCAL_DIR_PREFIX):
-        path = Path(model[len(LOCAL_DIR_PREFIX) :]).expanduser() / HF_CONFIG
+        from open_clip.factory import _find_checkpoint_in_dir
+
+        folder = Path(model[len(LOCAL_DIR_PREFIX) :]).expanduser()
+        path = folder / HF_CONFIG
         model_cfg = json.loads(path.read_text()).get("model_cfg") if path.is_file() else None
-        whole_weights = True  # open_clip loads the folder's own weights; its tokenizer is in the folder too
+        # open_clip loads the folder's own weights when it has some (its tokenizer is in the folder too)
+        whole_weights = folder.is_dir() and _find_checkpoint_in_dir(folder) is not None
     else:
         import open_clip
 
@@ -193,9 +197,12 @@ def model_needs(
     if tokenizer and not model.startswith(LOCAL_DIR_PREFIX):
         needs.append(Need(flag, "tokenizer", tokenizer, ("tokenizer_config.json",), cache_dir))
     if text_cfg.get("hf_model_name"):  # a Hugging Face text tower: transformers reads its config.json
-        needs.append(Need(flag, "config", text_cfg["hf_model_name"], ("config.json",)))
+        hf_text = text_cfg["hf_model_name"]
+        needs.append(Need(flag, "config", hf_text, ("config.json",)))
+        if load_weights and not whole_weights:  # open_clip then starts the tower from its own weights
+            needs.append(Need(flag, "weights", hf_text, ("model.safetensors", "pytorch_model.bin")))
     timm_name = vision_cfg.get("timm_model_name")
-    if pretrained_image and timm_name and not whole_weights:
+    if pretrained_image and load_weights and timm_name and not whole_weights:
         needs.append(_timm_need(timm_name))
     return needs
 
@@ -232,7 +239,7 @@ def fetch_command(
     model: str, pretrained: str | None, cache_dir: str | None, pretrained_image: bool = False
 ) -> str:
     """The command that fills the cache with what a run of these flags needs (run it where the hub is reachable)."""
-    words = ["ds-clip-fetch", "--model", model]
+    words = ["python", "-m", "ds_clip.fetch", "--model", model]
     if pretrained:
         words += ["--pretrained", pretrained]
     if cache_dir:
@@ -252,6 +259,43 @@ def refuse_uncached(needs: list[Need], command: str) -> None:
                 f"forbids fetching it; fill the cache where the hub is reachable with `{command}` (and copy "
                 "that folder here, or point --cache-dir / HF_HUB_CACHE at it)"
             )
+
+
+def run_needs(
+    model: str,
+    pretrained: str | None,
+    *,
+    cache_dir: str | None = None,
+    pretrained_image: bool = False,
+    load_weights: bool = True,
+    distill_model: str | None = None,
+    distill_pretrained: str | None = None,
+) -> tuple[list[Need], str]:
+    """What a run of these flags fetches (the student's files, then the teacher's; ``load_weights`` False for a
+    resumed student), and the command that fills a cache with them."""
+    needs = model_needs(
+        model, pretrained, cache_dir=cache_dir, pretrained_image=pretrained_image, load_weights=load_weights
+    )
+    command = fetch_command(model, pretrained, cache_dir, pretrained_image)
+    if distill_model is not None:
+        needs += model_needs(
+            distill_model, distill_pretrained, cache_dir=cache_dir, model_flag="--distill-model",
+            pretrained_flag="--distill-pretrained",
+        )  # fmt: skip
+        command += f" && {fetch_command(distill_model, distill_pretrained, cache_dir)}"
+    return needs, command
+
+
+def fetch_all(needs_now: Callable[[], list[Need]], command: str) -> list[Need]:
+    """Fetch until the cache holds every need: an hf-hub: model's tokenizer and text tower are known only once
+    its open_clip_config.json is cached, so the needs are computed again after each round. Returns them."""
+    for _ in range(3):
+        needs = needs_now()
+        missing = [n for n in needs if n.cached() is None]
+        if not missing:
+            return needs
+        fetch(missing, command)
+    return needs_now()
 
 
 def fetch(needs: list[Need], command: str) -> None:

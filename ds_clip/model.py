@@ -166,20 +166,29 @@ def build_model(
     """
     from ds_clip import hub
 
-    needs = hub.model_needs(
-        name, pretrained, cache_dir=cache_dir, pretrained_image=pretrained_image, load_weights=load_weights
-    )
+    def needs_now() -> list[hub.Need]:
+        return hub.model_needs(
+            name,
+            pretrained,
+            cache_dir=cache_dir,
+            pretrained_image=pretrained_image,
+            load_weights=load_weights,
+        )
+
     command = hub.fetch_command(name, pretrained, cache_dir, pretrained_image)
     if hub.is_offline():
-        hub.refuse_uncached(needs, command)
+        hub.refuse_uncached(needs_now(), command)
     else:
-        hub.fetch(needs, command)  # nothing when the cache holds it all
+        hub.fetch_all(needs_now, command)  # nothing when the cache holds it all
     if seed is not None:
         torch.manual_seed(seed)
+    # Resumed (load_weights False): no tower weights either (timm's, a Hugging Face text tower's); the
+    # checkpoint restores every parameter.
     kwargs: dict[str, Any] = {
         "output_dict": True,
         "cache_dir": cache_dir,
-        "pretrained_image": pretrained_image,
+        "pretrained_image": pretrained_image and load_weights,
+        "pretrained_text": load_weights,
     }
     tag = hub.tag_cfg(name, pretrained) if pretrained else {}
     if pretrained and load_weights:
