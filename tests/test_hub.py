@@ -136,7 +136,7 @@ def _run(cmd: list[str], env: dict[str, str], timeout: int = 600) -> subprocess.
 def _train_args(model: str, logs: Path, name: str, *extra: str, steps: int = 2) -> list[str]:
     return [
         "--model", model, "--batch-size", str(M), "--accum-freq", str(K), "--max-steps", str(steps),
-        "--log-every-n-steps", "1", "--logs", str(logs), "--name", name, "--workers", "0", *extra,
+        "--log-every-n-steps", "1", "--log-dir", str(logs), "--name", name, "--workers", "0", *extra,
     ]  # fmt: skip
 
 
@@ -256,12 +256,13 @@ def test_two_ranks_fetch_once_lock_image_keeps_the_hub_tower_and_resume_fetches_
 @pytest.mark.slow
 def test_real_tag_on_two_hosts_fetches_once_per_host_and_first_eval_equals_open_clips(hub, tmp_path):
     """Two hosts (two torchrun agents, one rank each, each with its own cache) train ViT-B-32 from the real tag
-    laion2b_s34b_b79k: each host downloads the weights once. With --lr 0 the weights stay the tag's, so the
-    run's evaluation equals ds-clip-eval's evaluation of open_clip.create_model_and_transforms("ViT-B-32",
+    laion2b_s34b_b79k: each host downloads the weights once. With --lr 1e-12 the one step moves no weight by
+    more than 1e-12 (below float32's resolution of almost all of them; --lr must be > 0), so the run's
+    evaluation is its evaluation of the tag's weights, and it equals ds-clip-eval's evaluation of open_clip.create_model_and_transforms("ViT-B-32",
     pretrained="laion2b_s34b_b79k") read offline from one host's cache (no request)."""
     hub.reset()
     port = _free_port()
-    args = _train_args("ViT-B-32", tmp_path / "logs", "tag", "--pretrained", "laion2b_s34b_b79k", "--lr", "0",
+    args = _train_args("ViT-B-32", tmp_path / "logs", "tag", "--pretrained", "laion2b_s34b_b79k", "--lr", "1e-12",
                        "--val-data", "synthetic", "--val-num-samples", "64", steps=1)  # fmt: skip
     procs = []
     for node in (0, 1):
@@ -276,7 +277,8 @@ def test_real_tag_on_two_hosts_fetches_once_per_host_and_first_eval_equals_open_
             )
         )
     outs = [p.communicate(timeout=600)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    errors = [ln for o in outs for ln in o.splitlines() if "error" in ln.lower()]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(errors[:20]) or outs[0][-3000:]
     assert hub.gets(TAG_REPO, WEIGHTS) == 2, dict(hub.requests)
     for node in (0, 1):
         assert list((tmp_path / f"host{node}" / "hub").glob(f"models--laion--*/snapshots/*/{WEIGHTS}"))
