@@ -19,6 +19,7 @@ from urllib.parse import unquote
 class StandInHub:
     def __init__(self) -> None:
         self.repos: dict[str, dict[str, bytes]] = {}
+        self.files: dict[str, bytes] = {}  # plain URL path -> content
         self.requests: Counter[tuple[str, str]] = Counter()  # (method, path) -> count
         self._lock = threading.Lock()
         hub = self
@@ -48,6 +49,11 @@ class StandInHub:
     def add_repo(self, repo: str, files: dict[str, bytes]) -> None:
         self.repos[repo] = dict(files)
 
+    def add_file(self, path: str, data: bytes) -> str:
+        """Serve ``data`` at the plain URL ``{url}{path}``; returns that URL."""
+        self.files[path] = data
+        return f"{self.url}{path}"
+
     def gets(self, repo: str, filename: str | None = None) -> int:
         """GET requests (downloads) of one file of ``repo``, or of all its files."""
         prefix = f"/{repo}/resolve/"
@@ -72,6 +78,8 @@ class StandInHub:
         path = unquote(handler.path.split("?", 1)[0])
         with self._lock:
             self.requests[(handler.command, path)] += 1
+        if path in self.files:  # a plain URL (open_clip's download_pretrained_from_url)
+            return self._send(handler, self.files[path], body=body, commit=None)
         parts = path.strip("/").split("/")
         if len(parts) < 5 or parts[2] != "resolve":
             return self._missing(handler, "EntryNotFound")
@@ -81,8 +89,13 @@ class StandInHub:
         data = self.repos[repo].get(filename)
         if data is None:
             return self._missing(handler, "EntryNotFound")
+        self._send(handler, data, body=body, commit=hashlib.sha1(repo.encode()).hexdigest())
+
+    @staticmethod
+    def _send(handler: BaseHTTPRequestHandler, data: bytes, *, body: bool, commit: str | None) -> None:
         handler.send_response(200)
-        handler.send_header("X-Repo-Commit", hashlib.sha1(repo.encode()).hexdigest())
+        if commit is not None:
+            handler.send_header("X-Repo-Commit", commit)
         handler.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
         handler.send_header("Content-Length", str(len(data)))
         handler.send_header("Content-Type", "application/octet-stream")

@@ -296,6 +296,58 @@ def test_real_tag_on_two_hosts_fetches_once_per_host_and_first_eval_equals_open_
         if key in reference:
             assert reference[key] == pytest.approx(evaluated[key], abs=1e-6)
 
+    # The same weights named as a hub repo (offline, from the same cache) and as a URL (fetched once into
+    # --cache-dir) evaluate the same.
+    url = hub.add_file("/weights/tiny-vit-b-32.pt", _pt_bytes(hub.states[TAG_REPO]))
+    for pretrained, extra_env in ((f"hf-hub:{TAG_REPO}", {"HF_HUB_OFFLINE": "1"}), (url, {})):
+        hub.reset()
+        env = _env(hub, tmp_path / "host1", **extra_env)
+        cmd = [sys.executable, "-m", "ds_clip.evaluate", "ViT-B-32", "--pretrained", pretrained, "--cache-dir",
+               str(tmp_path / "host1" / "hub"), "--val-data", "synthetic", "--val-num-samples", "64"]  # fmt: skip
+        proc = _run(cmd, env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        same = json.loads(proc.stdout[proc.stdout.index("{") :])
+        assert same["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-6)
+        assert hub.total() == (0 if pretrained.startswith("hf-hub:") else 1), dict(hub.requests)
+
+
+def _pt_bytes(state: dict[str, torch.Tensor]) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_unknown_repo_and_unreachable_hub_are_one_line_exit_2(hub, tmp_path):
+    """A repo the hub does not have, and a hub that does not answer: exit 2 before any engine starts, one line
+    naming the flag, the repo, the file and the cache folder."""
+    _, closed_port = _free_port(), _free_port()
+    for endpoint, repo in (
+        (hub.url, "ds-clip-test/no-such-model"),
+        (f"http://127.0.0.1:{closed_port}", HUB_MODEL),
+    ):
+        env = _env(
+            hub, tmp_path / "hf", HF_ENDPOINT=endpoint, HF_HUB_ETAG_TIMEOUT="5", HF_HUB_DOWNLOAD_TIMEOUT="5"
+        )
+        proc = _run(
+            [sys.executable, "-m", "ds_clip.train", *_train_args(f"hf-hub:{repo}", tmp_path / "logs", "x")],
+            env,
+        )
+        assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
+        errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("ds-clip-train: error:")]
+        assert len(errors) == 1, proc.stderr[-3000:]
+        for needle in (
+            f"--model hf-hub:{repo}",
+            "could not fetch",
+            "open_clip_config.json",
+            str(tmp_path / "hf"),
+        ):
+            assert needle in errors[0], errors[0]
+        assert "Traceback" not in proc.stderr
+
 
 TIMM_REPO = "timm/test_vit.r160_in1k"  # timm's pretrained config of its tiny test_vit
 
