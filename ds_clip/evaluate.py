@@ -2,6 +2,7 @@
 
     ds-clip-eval OUT --val-data synthetic --zeroshot-classes classes.json      # an exported folder
     ds-clip-eval ViT-B-32 --pretrained OUT/open_clip_model.safetensors --val-data 'val/{0..3}.tar'
+    ds-clip-eval ViT-B-32 --pretrained laion2b_s34b_b79k --val-data ...      # an open_clip tag (docs/pretrained.md)
 
 During training (``--val-data``, ``--val-every-n-steps``) every rank takes part: rank r embeds the
 samples with index i = r (mod W), the embeddings are gathered with their indices, so every sample
@@ -662,7 +663,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Evaluate an exported (or any open_clip) model: val loss, retrieval recall, zero-shot accuracy.",
     )
     p.add_argument(
-        "model", help="exported folder (ds-clip-export OUT), local-dir:PATH, or an open_clip model name"
+        "model",
+        help="exported folder (ds-clip-export OUT), local-dir:PATH, hf-hub:ORG/REPO, or an open_clip model name "
+        "(with --pretrained TAG|FILE)",
     )
     add_flags(p, SHARED_FLAGS, val_data={"required": True}, batch_size={"default": EVAL_BATCH_SIZE})
     p.add_argument("--out", metavar="JSON", default=None, help="also write the metrics to this file")
