@@ -119,6 +119,7 @@ def dry_run(s: TrainSettings) -> None:
         f"# DeepSpeed JSON for world size {world_size} on the {ds.accelerator} accelerator (ds_config.json)"
     )
     print(ds.json_text)
+    _print_published(s)
     print("# dry run: the flags are good; nothing was started", flush=True)
 
 
@@ -130,6 +131,29 @@ def _k_table(s: TrainSettings) -> str:
     n, m = s.optim.global_batch_size or 0, s.optim.batch_size
     shown = [w for w in world_sizes_for(n, m) if w <= 1024]
     return ", ".join(f"W={w}: k={n // (w * m)}" for w in shown) or "none"
+
+
+def _print_published(s: TrainSettings) -> None:
+    """The published files the run reads (weights, configs, tokenizers) and whether each is cached: local rank 0
+    of each host fetches the missing ones at start; offline (HF_HUB_OFFLINE) they must all be cached."""
+    from ds_clip import hub
+
+    m = s.model
+    needs, command = hub.run_needs(
+        m.model, m.pretrained, cache_dir=m.cache_dir, pretrained_image=m.pretrained_image,
+        load_weights=s.checkpoint.resume is None, distill_model=m.distill_model,
+        distill_pretrained=m.distill_pretrained,
+    )  # fmt: skip
+    if not needs:
+        return
+    mode = (
+        "offline: read from the cache only"
+        if hub.is_offline()
+        else "fetched once per host at start if missing"
+    )
+    print(f"# published files ({mode}; `{command}` fills a cache)")
+    for n in needs:
+        print(n.describe())
 
 
 def _looks_like_lost_peer(message: str) -> bool:

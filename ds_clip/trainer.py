@@ -127,7 +127,9 @@ class Trainer:
         if s.checkpoint.resume:
             checkpoint.verify_resume(run_dir, s.checkpoint.resume)
 
-        self.bundle = bundle = build_model_bundle(s.model, seed=s.data.seed)
+        self.bundle = bundle = build_model_bundle(
+            s.model, seed=s.data.seed, local_rank=info.local_rank, resuming=s.checkpoint.resume is not None
+        )
         check_tokenizer_fits(bundle.model, bundle.tokenizer, s.model.model)  # the data is tokenized by it
         # The parameter shapes are checked against a checkpoint before DeepSpeed loads it.
         shapes = checkpoint.param_shapes(bundle.model)
