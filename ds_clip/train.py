@@ -6,29 +6,40 @@ mpirun -np 2 --bind-to none python -m ds_clip.train --accum-freq 4
 srun python -m ds_clip.train ...          (see scripts/launch_slurm.sbatch)
 ds-clip-train --max-steps 10              (one process, no launcher)
 ds-clip-train --dry-run ...               (check the flags, print the settings and the DeepSpeed JSON, exit)
+WORLD_SIZE=8 ds-clip-train --dry-run --recipe datacomp-medium   (the k that N = 4096 derives on 8 ranks)
+torchrun --nnodes 1:2 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint HOST:PORT --nproc_per_node 4 \
+    -m ds_clip.train --global-batch-size 4096 --name RUN --resume latest --save-every-n-steps 500
+                                          (elastic: the same command for the first start and every restart)
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import sys
+from collections.abc import Iterator
 
 from ds_clip.config import TrainSettings, parse_settings, settings_to_dict
 from ds_clip.errors import RunError, UserError
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Every rank parses the same command line: only rank 0 shows what argparse says about it (an error,
+    # --help), so a bad flag reads once per job, not once per rank.
+    quiet = _launcher_rank() != 0
     try:
-        settings = parse_settings(argv)
+        with _silenced(quiet):
+            settings = parse_settings(argv)
     except UserError as exc:
-        print(f"ds-clip-train: error: {exc}", file=sys.stderr)
+        _error(exc, quiet)
         return 2
     if settings.dist.dry_run:
         try:
             dry_run(settings)
         except UserError as exc:
-            print(f"ds-clip-train: error: {exc}", file=sys.stderr)
+            _error(exc, quiet)
             return 2
         return 0
     # Heavy imports (torch, deepspeed, open_clip) only after the settings are known to be good.
@@ -38,9 +49,16 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         train(settings)
-    except (UserError, RunError) as exc:  # user error -> 2, run failure -> 1 (ds_clip/errors.py)
-        print(f"ds-clip-train: error: {exc}", file=sys.stderr)
+    except UserError as exc:  # -> 2 (ds_clip/errors.py)
+        _error(exc, quiet and exc.same_on_every_rank)
         return exc.exit_code
+    except RunError as exc:  # -> 1
+        _error(exc, False)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        # Ctrl-C before the loop's stop handler was installed (start-up): nothing was trained yet.
+        _error("interrupted during start-up (SIGINT); nothing was trained or saved", quiet)
+        return 130
     except (dist.DistError, RuntimeError) as exc:
         # A collective that failed: the peer closed the connection (a rank died) or --dist-timeout passed.
         if not isinstance(exc, dist.DistError) and not _looks_like_lost_peer(str(exc)):
@@ -55,6 +73,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _launcher_rank() -> int:
+    """This process's global rank as its launcher set it (deepspeed and torchrun: RANK; mpirun: OMPI_*/PMI_RANK;
+    srun: SLURM_PROCID), read before any process group exists; 0 for one process."""
+    for var in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+@contextlib.contextmanager
+def _silenced(quiet: bool) -> Iterator[None]:
+    if not quiet:
+        yield
+        return
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        yield
+
+
+def _error(exc: BaseException | str, quiet: bool) -> None:
+    if not quiet:
+        print(f"ds-clip-train: error: {exc}", file=sys.stderr)
+
+
 def dry_run(s: TrainSettings) -> None:
     """--dry-run: what can be checked without starting is checked (the flags, the evaluation inputs, the
     preset, the resolved JSON for this launch's world size, whether DeepSpeed builds --opt on this machine's
@@ -62,21 +103,60 @@ def dry_run(s: TrainSettings) -> None:
     no model, no files written."""
     from ds_clip.distributed import accelerator_name  # (deepspeed's accelerator, not a process group)
     from ds_clip.ds_config import resolve_deepspeed
+    from ds_clip.engine import resolve_geometry
     from ds_clip.evaluate import check_train_inputs
     from ds_clip.presets import precision_mapping_text
 
     check_train_inputs(s)  # the evaluation inputs are read as the start would read them
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    geometry = resolve_geometry(s, world_size)
     ds = resolve_deepspeed(s, world_size, accelerator=accelerator_name())
     ds.refuse_blocked()
     print(f"# settings ({s.logging.logs}/{s.logging.name}/settings.json)")
     print(json.dumps(settings_to_dict(s), indent=2))
+    print(f"# batch: {geometry.describe()}")
+    if s.optim.global_batch_size is not None:
+        print(f"# k on other world sizes (--batch-size {geometry.micro_batch_size}): {_k_table(s)}")
     print(f"# --precision: DeepSpeed {s.dist.precision} ({precision_mapping_text()})")
     print(
         f"# DeepSpeed JSON for world size {world_size} on the {ds.accelerator} accelerator (ds_config.json)"
     )
     print(ds.json_text)
+    _print_published(s)
     print("# dry run: the flags are good; nothing was started", flush=True)
+
+
+def _k_table(s: TrainSettings) -> str:
+    """k = N / (W*m) for the world sizes up to 1024 that divide N with this m (a restart on fewer or more ranks
+    re-derives it)."""
+    from ds_clip.geometry import world_sizes_for
+
+    n, m = s.optim.global_batch_size or 0, s.optim.batch_size
+    shown = [w for w in world_sizes_for(n, m) if w <= 1024]
+    return ", ".join(f"W={w}: k={n // (w * m)}" for w in shown) or "none"
+
+
+def _print_published(s: TrainSettings) -> None:
+    """The published files the run reads (weights, configs, tokenizers) and whether each is cached: local rank 0
+    of each host fetches the missing ones at start; offline (HF_HUB_OFFLINE) they must all be cached."""
+    from ds_clip import hub
+
+    m = s.model
+    needs, command = hub.run_needs(
+        m.model, m.pretrained, cache_dir=m.cache_dir, pretrained_image=m.pretrained_image,
+        load_weights=s.checkpoint.resume is None, distill_model=m.distill_model,
+        distill_pretrained=m.distill_pretrained,
+    )  # fmt: skip
+    if not needs:
+        return
+    mode = (
+        "offline: read from the cache only"
+        if hub.is_offline()
+        else "fetched once per host at start if missing"
+    )
+    print(f"# published files ({mode}; `{command}` fills a cache)")
+    for n in needs:
+        print(n.describe())
 
 
 def _looks_like_lost_peer(message: str) -> bool:

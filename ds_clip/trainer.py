@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ds_clip import checkpoint, distributed, evaluate, faults
+from ds_clip import checkpoint, distributed, evaluate, faults, remote
 from ds_clip.checkpoint import Checkpointer
 from ds_clip.clamp import clamp_logit_scale
 from ds_clip.config import (
@@ -117,11 +118,19 @@ class Trainer:
         self.info = info = init_distributed(timeout_s=s.dist.dist_timeout)
         # Resolved once, here, and handed down: the batch geometry and the DeepSpeed side of the run.
         self.geometry, self.ds = geometry, ds = resolve_run(s, info.world_size)
+        ds.refuse_blocked()  # what this machine cannot run (fp16 on a CPU without it...): before building anything
         self.run_dir = run_dir = self._open_run_folder()
         _configure_logging(s.logging, info)
         self._log_precision()
+        # Before the model and the engine: an unusable remote, or a checkpoint whose bytes changed since its
+        # save, is one line (exit 2); a newer checkpoint on the remote is pulled for --resume latest.
+        self.remote_sync = remote.start_sync(s.checkpoint, run_dir)
+        if s.checkpoint.resume:
+            checkpoint.verify_resume(run_dir, s.checkpoint.resume)
 
-        self.bundle = bundle = build_model_bundle(s.model, seed=s.data.seed)
+        self.bundle = bundle = build_model_bundle(
+            s.model, seed=s.data.seed, local_rank=info.local_rank, resuming=s.checkpoint.resume is not None
+        )
         check_tokenizer_fits(bundle.model, bundle.tokenizer, s.model.model)  # the data is tokenized by it
         # The parameter shapes are checked against a checkpoint before DeepSpeed loads it.
         shapes = checkpoint.param_shapes(bundle.model)
@@ -193,10 +202,23 @@ class Trainer:
             return
         if info.hosts is not None:
             logger.info("%s", info.hosts.describe())
+        derived = (
+            f" (k derived from --global-batch-size {self.s.optim.global_batch_size} on {info.world_size} ranks)"
+            if self.s.optim.global_batch_size is not None
+            else ""
+        )
         logger.info(
-            "%s; %d steps per epoch, %d steps in total; run folder %s",
-            self.geometry.describe(), self.data.steps_per_epoch, self.total_steps, self.run_dir,
+            "%s%s; %d steps per epoch, %d steps in total; run folder %s",
+            self.geometry.describe(), derived, self.data.steps_per_epoch, self.total_steps, self.run_dir,
         )  # fmt: skip
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if restarts:
+            # torchrun's elastic agent restarted the workers (a host lost or added): say what this start is.
+            logger.info(
+                "elastic restart %d: world size %d, continuing from step %d (the work since the last complete "
+                "checkpoint is trained again)",
+                restarts, info.world_size, self.start_step,
+            )  # fmt: skip
 
     def _build_evaluator(self, image_px: int) -> Evaluator:
         ev, info = self.s.eval, self.info
@@ -269,8 +291,9 @@ class Trainer:
             if info.is_main
             else None
         )
-        tb = writer.tb if writer is not None else None
-        stop = StopRequest().install()
+        tb = writer.scalar_sink() if writer is not None else None  # TensorBoard and W&B
+        # Under mpirun a signalled rank's output goes to this file (mpirun no longer relays it: docs/faults.md).
+        stop = StopRequest(output_on_signal=self.run_dir / f"stop-rank{info.rank}.log").install()
         self.engine.train()
         try:
             epoch, start_in_epoch = self.data.epoch, self.data.step_in_epoch
@@ -294,15 +317,8 @@ class Trainer:
                         self.evaluator.maybe_run(step, total, tb)
                     if step >= total:
                         break
-                    if stop.should_stop():  # every rank, every step: they all save the same step together
-                        self.checkpointer.save(step)
-                        if info.is_main:
-                            logger.info(
-                                "received %s: saved checkpoint %s at step %d; resume with the same command "
-                                "plus --resume latest --name %s",
-                                stop.signal_name, checkpoint.tag_for(step), step, s.logging.name,
-                            )  # fmt: skip
-                        return self._summary(step)
+                    if stop.agreed_stop():  # every rank, every step: they all save the same step together
+                        return self._stop(step, stop)
                     t_data = time.perf_counter()
                 else:
                     epoch, start_in_epoch = epoch + 1, 0
@@ -315,6 +331,8 @@ class Trainer:
             stop.uninstall()
             if writer is not None:
                 writer.close()
+            if self.remote_sync is not None:
+                self.remote_sync.close()  # the last sync: the final checkpoint and metrics go up too
         summary = self._summary(step)
         if info.is_main:
             logger.info(
@@ -322,6 +340,22 @@ class Trainer:
                 step, summary.samples_seen, summary.skipped_steps, summary.final_loss, self.run_dir,
             )  # fmt: skip
         return summary
+
+    def _stop(self, step: int, stop: StopRequest) -> TrainSummary:
+        """Every rank: save ``step`` and end the run (a signal, or the launcher gone; docs/faults.md)."""
+        if self.info.is_main:
+            again = f"; {stop.reason} again stops at once" if stop.reason in ("SIGINT", "SIGTERM") else ""
+            logger.info(
+                "%s: stopping after step %d, saving a checkpoint%s (the last complete checkpoint stays usable)",
+                stop.describe(), step, again,
+            )  # fmt: skip
+        self.checkpointer.save(step)
+        if self.info.is_main:
+            logger.info(
+                "%s: saved checkpoint %s at step %d; resume with the same command plus --resume latest --name %s",
+                stop.describe(), checkpoint.tag_for(step), step, self.s.logging.name,
+            )  # fmt: skip
+        return self._summary(step)
 
     def _summary(self, step: int) -> TrainSummary:
         return TrainSummary(

@@ -194,7 +194,7 @@ def test_help_names_every_flag():
     for flag in ("--accum-freq", "--batch-size", "--ds-config", "--zero-stage", "--precision", "--report-to"):
         assert flag in text
     assert "--local_rank" not in text  # set by the launcher, not by users
-    assert "SUPPRESS" not in text and "--cache-dir [VALUE]" in text  # answered open_clip flags show a metavar
+    assert "SUPPRESS" not in text and "--dist-url [VALUE]" in text  # answered open_clip flags show a metavar
 
 
 def test_argparse_type_errors_exit_2():
@@ -231,8 +231,9 @@ def test_argparse_type_errors_exit_2():
         (["--train-data", "/nonexistent/shard-{000..003}.tar"], "/nonexistent/shard-{000..003}.tar"),
         (["--val-data", "/nonexistent/val.tar"], "--val-data"),
         (["--pretrained", "/nonexistent/weights.pt"], "--pretrained"),
-        (["--pretrained", "https://example.com/w.pt"], "--pretrained"),
+        (["--pretrained", "ftp://example.com/w.pt"], "--pretrained"),
         (["--pretrained", "openai"], "--pretrained"),
+        (["--model", "ViT-B-16", "--pretrained", "laion2b_s34b_b79k"], "a tag of ViT-B-32"),
         (["--model", "local-dir:/nonexistent"], "--model"),
         (["--resume", "latest"], "--name"),
         (["--resume", "/nonexistent/ckpt"], "--resume"),

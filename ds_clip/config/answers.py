@@ -15,16 +15,6 @@ from ds_clip.errors import SettingsError
 # option -> (takes a value?, the answer). With the settings fields this covers every option of open_clip_train
 # 3.3.0's parser (tests/test_open_clip_flags.py walks that parser).
 ANSWERED: dict[str, tuple[bool, str]] = {
-    "--cache-dir": (
-        True,
-        "ds_clip downloads nothing (no model, tokenizer or weight downloads): pass local weights with "
-        "--pretrained FILE|DIR or a model folder with --model local-dir:DIR",
-    ),
-    "--pretrained-image": (
-        False,
-        "ds_clip downloads no ImageNet weights for the image tower: load a whole model's weights with "
-        "--pretrained FILE|DIR",
-    ),
     "--torchscript": (
         False,
         "DeepSpeed trains the eager module, which torch.jit.script would replace: use --torchcompile (or "
@@ -68,13 +58,6 @@ ANSWERED: dict[str, tuple[bool, str]] = {
         "ds_clip runs the installed package; the run folder keeps settings.json and ds_config.json to "
         "reproduce a run: drop it",
     ),
-    "--remote-sync": (
-        True,
-        "ds_clip does not sync the run folder to remote storage: copy <logs>/<name>/checkpoints with your own "
-        "tool (each complete checkpoint has a COMPLETE marker)",
-    ),
-    "--remote-sync-frequency": (True, "goes with --remote-sync, which ds_clip does not have: drop it"),
-    "--remote-sync-protocol": (True, "goes with --remote-sync, which ds_clip does not have: drop it"),
     "--use-bnb-linear": (
         True,
         "bitsandbytes int8 linear layers are not trained by ds_clip (DeepSpeed's precisions: --precision "

@@ -45,6 +45,7 @@ from ds_clip.data.synthetic import SyntheticCaptions
 from ds_clip.data.table import CsvPairs, Report, check_image_paths, read_table
 from ds_clip.data.wds import WebDatasetTrainData
 from ds_clip.geometry import BatchGeometry
+from ds_clip.stop_signals import ignore_in_worker
 
 logger = logging.getLogger("ds_clip.data")
 
@@ -89,6 +90,7 @@ class _MapTrainData(TrainData):
     workers: int
     seed: int
     source: str = ""  # the file named in errors (CSV)
+    exact_across_splits = True  # index = first + s*N + g*m + [0, m): a function of N, not of W or k
 
     def _first_index(self, epoch: int) -> int:
         raise NotImplementedError
@@ -104,6 +106,7 @@ class _MapTrainData(TrainData):
             batch_sampler=sampler,
             num_workers=self.workers,
             collate_fn=_collate,
+            worker_init_fn=ignore_in_worker,  # a stop signal is the rank's to handle (stop_signals)
             # Page-locked batches let the step copy them to the GPU with non_blocking=True.
             pin_memory=torch.cuda.is_available(),
             persistent_workers=False,

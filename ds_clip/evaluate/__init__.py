@@ -2,6 +2,7 @@
 
     ds-clip-eval OUT --val-data synthetic --zeroshot-classes classes.json      # an exported folder
     ds-clip-eval ViT-B-32 --pretrained OUT/open_clip_model.safetensors --val-data 'val/{0..3}.tar'
+    ds-clip-eval ViT-B-32 --pretrained laion2b_s34b_b79k --val-data ...      # an open_clip tag (docs/pretrained.md)
 
 During training (``--val-data``, ``--val-every-n-steps``) every rank takes part: rank r embeds the
 samples with index i = r (mod W), the embeddings are gathered with their indices, so every sample

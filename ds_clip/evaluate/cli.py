@@ -2,6 +2,8 @@
 
 ds-clip-eval OUT --val-data synthetic --zeroshot-classes classes.json      # an exported folder
 ds-clip-eval ViT-B-32 --pretrained OUT/open_clip_model.safetensors --val-data 'val/{0..3}.tar'
+ds-clip-eval ViT-B-32 --pretrained laion2b_s34b_b79k --val-data ...      # an open_clip tag (docs/pretrained.md)
+ds-clip-eval OUT --val-data val.csv --csv-separator , --zeroshot-folder pets/   # a CSV; your own classes
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import sys
 from pathlib import Path
 
 from ds_clip.config import DataSettings, EvalSectionSettings, SettingsError, add_flags, check_data, check_eval
+from ds_clip.errors import UserError
 from ds_clip.evaluate.classes import load_zeroshot
 from ds_clip.evaluate.datasets import imagenet_samples
 from ds_clip.evaluate.inputs import check_class_images, check_val_data, check_zeroshot_folder
@@ -20,7 +23,7 @@ from ds_clip.evaluate.settings import EVAL_BATCH_SIZE, EvalError, EvalFailed, Ev
 from ds_clip.evaluate.zeroshot import classify_folders, folder_task, imagenet_tasks
 
 # The flags ds-clip-eval shares with ds-clip-train, each defined once (ds_clip.config's fields).
-SHARED_FLAGS = ("pretrained", "val_data", "val_num_samples", "batch_size", "zeroshot_classes", "seed",
+SHARED_FLAGS = ("pretrained", "cache_dir", "val_data", "val_num_samples", "batch_size", "zeroshot_classes", "seed",
                 "image_key", "caption_key", "csv_separator", "csv_img_key", "csv_caption_key", "zeroshot_folder",
                 "zeroshot_classnames", "zeroshot_templates", "imagenet_val", "imagenet_v2")  # fmt: skip
 _EVAL_FIELDS = ("val_data", "val_num_samples", "zeroshot_classes", "seed", "image_key", "caption_key",
@@ -34,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(on --val-data, and on class folders: --zeroshot-folder, --imagenet-val, --imagenet-v2).",
     )
     p.add_argument(
-        "model", help="exported folder (ds-clip-export OUT), local-dir:PATH, or an open_clip model name"
+        "model",
+        help="exported folder (ds-clip-export OUT), local-dir:PATH, hf-hub:ORG/REPO, or an open_clip model name "
+        "(with --pretrained TAG|FILE)",
     )
     add_flags(p, SHARED_FLAGS, batch_size={"default": EVAL_BATCH_SIZE})
     p.add_argument("--out", metavar="JSON", default=None, help="also write the metrics to this file")
@@ -88,14 +93,22 @@ def main(argv: list[str] | None = None) -> int:
         name = args.model
         if Path(name).is_dir() and (Path(name) / "open_clip_config.json").is_file():
             name = f"local-dir:{name}"
+        from ds_clip.config.model_checks import check_pretrained
         from ds_clip.export import resolve_pretrained
         from ds_clip.model import build_model, load_model_cfg
 
-        try:
-            bundle = build_model(name, pretrained=resolve_pretrained(args.pretrained), seed=None)
+        if args.pretrained:
+            try:
+                check_pretrained(args.pretrained, model=name)
+            except SettingsError as exc:
+                raise EvalError(str(exc)) from exc
+        try:  # published weights: fetched into --cache-dir unless cached; offline, refused when not cached
+            bundle = build_model(
+                name, pretrained=resolve_pretrained(args.pretrained), seed=None, cache_dir=args.cache_dir
+            )
         except (RuntimeError, ValueError, FileNotFoundError) as exc:
             raise EvalError(f"cannot load model {args.model!r}: {exc}") from exc
-    except EvalError as exc:
+    except (EvalError, UserError) as exc:
         print(f"ds-clip-eval: error: {exc}", file=sys.stderr)
         return 2
     model = bundle.model.eval()
@@ -106,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics: dict[str, float] = {}
     try:
         if s is not None:
-            size = load_model_cfg(name)["vision_cfg"].get("image_size", 224)
+            size = load_model_cfg(name, args.cache_dir)["vision_cfg"].get("image_size", 224)
             s.image_size = size if isinstance(size, int) else size[0]
             metrics.update(evaluate(forward, s, preprocess=bundle.preprocess_val, tokenizer=bundle.tokenizer))
         tasks = imagenet_tasks(imagenet, bundle.tokenizer)

@@ -20,6 +20,10 @@ Forward = Callable[..., dict]
 class EvalError(UserError):
     """Bad evaluation input (a flag, file or pattern); the message names it."""
 
+    same_on_every_rank = (
+        False  # every rank reads the evaluation inputs on its own host: each says what it found
+    )
+
 
 class EvalFailed(RunError):
     """An evaluation that could not finish on some rank (its samples unreadable, a forward that raised).
