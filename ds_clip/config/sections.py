@@ -281,7 +281,8 @@ class LossSettings:
     """Sigmoid (SigLIP) loss instead of the softmax CLIP loss."""
     loss_impl: str = opt("auto", choices=LOSS_IMPLS, open_clip="ds_clip only")
     """"dense" (whole logit matrix in memory), "tiled" (blocks of it, O(tile*N) memory) or "auto": tiled
-    from a global batch of 8192 pairs on, where it is also the faster one (docs/loss.md), dense below."""
+    from the global batch on where it is also the faster one on a CPU (docs/loss.md): 1024 pairs for the global
+    CLIP loss, 8192 for --local-loss, SigLIP and distillation; dense below."""
     loss_tile_size: int = opt(4096, metavar="PAIRS", unit="pairs", open_clip="ds_clip only")
     """Rows and columns of one block of the logit matrix in the tiled loss: memory grows as tile x N."""
     coca_contrastive_loss_weight: float = opt(1.0, metavar="W")
