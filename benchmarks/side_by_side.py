@@ -163,6 +163,16 @@ def _end_group(proc: subprocess.Popen) -> None:
 def open_clip_entry(argv: list[str]) -> int:
     """open_clip_train's main(argv), with ds_clip's model configs (ds-clip-tiny) registered with open_clip,
     and on the CPU, DDP given device_ids=None for the CPU module."""
+    patch_cpu_ddp()
+    from open_clip_train.main import main as open_clip_main
+
+    open_clip_main(argv)
+    return 0
+
+
+def patch_cpu_ddp() -> None:
+    """Register ds_clip's model configs with open_clip and make DistributedDataParallel take device_ids=None for
+    a CPU module (open_clip_train passes device_ids=[cpu], which torch refuses); nothing else changes."""
     import torch
 
     import ds_clip.model  # noqa: F401  (registers ds_clip's built-in model configs with open_clip)
@@ -176,10 +186,6 @@ def open_clip_entry(argv: list[str]) -> int:
             super().__init__(module, device_ids, *args, **kwargs)
 
     torch.nn.parallel.DistributedDataParallel = CpuDDP  # type: ignore[misc]
-    from open_clip_train.main import main as open_clip_main
-
-    open_clip_main(argv)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
