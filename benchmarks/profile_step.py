@@ -71,7 +71,10 @@ def _launcher_argv(trainer: str, ranks: int, own: list[str], user: list[str]) ->
     """This script under the launcher a user runs: deepspeed for ds_clip, torchrun for open_clip."""
     script = [os.path.abspath(__file__), *own, "--rank-child", "--", *user]
     if trainer == "ds_clip":
-        return ["deepspeed", "--num_gpus", str(ranks), *script]
+        from ds_clip.distributed import _free_port
+
+        # a free port, not the launcher's default 29500 (another job on the machine may hold it)
+        return ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(_free_port()), *script]
     return ["torchrun", "--standalone", "--nproc_per_node", str(ranks), *script]
 
 

@@ -63,7 +63,18 @@ def ds_clip_command(
     if ranks == 1:
         launcher = [sys.executable, "-m", "ds_clip.train"]
     else:
-        launcher = ["deepspeed", "--num_gpus", str(ranks), "--module", "ds_clip.train"]
+        from ds_clip.distributed import _free_port
+
+        # a free port, not the launcher's default 29500 (another job on the machine may hold it)
+        launcher = [
+            "deepspeed",
+            "--num_gpus",
+            str(ranks),
+            "--master_port",
+            str(_free_port()),
+            "--module",
+            "ds_clip.train",
+        ]
     own = ["--accum-freq", str(k), "--max-steps", str(steps), "--log-every-n-steps", "1", "--logs", logs]
     return [*launcher, *user, *extra, *own]
 

@@ -39,6 +39,9 @@ add loss_4096 "python benchmarks/bench_loss.py --sizes 1024 2048 4096 8192 --los
 add loader "python benchmarks/bench_loader.py --open-clip --sizes 224 --workers 1 2 --json $OUT/quiet_loader.json"
 # The price of exactness: the cached step against DeepSpeed's gradient_accumulation_steps = k.
 add exactness_cost "python benchmarks/bench_exactness_cost.py --model ViT-B-32 --image-size 64 --batch-size 4 --k 2 4 8 --world-sizes 1 2 --json $OUT/quiet_exactness_cost.json"
+# Memory per rank of the multi-rank default against ZeRO-1 and ZeRO-2 (peak RSS of one step, largest over ranks;
+# memory does not depend on load, the step times beside it do).
+add mem_w4 "python benchmarks/bench_accum.py --models ds-clip-tiny ViT-B-32 --image-size 64 --batch-size 4 --k 1 8 --world-sizes 2 4 --zero-stages 0 1 2 --steps 2 --warmup 1 --json $OUT/quiet_mem_w4.json"
 # Where a 2-rank step goes (shares of one step's self CPU time), the default and each ZeRO stage.
 prof() { echo "python benchmarks/profile_step.py $1 --ranks 2 --json $OUT/quiet_$2.json -- ${*:3}"; }
 add prof_tiny_default "$(prof ds_clip prof_tiny_default $TINY)"

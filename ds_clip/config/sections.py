@@ -436,12 +436,13 @@ class DistSettings:
     ds_config: str | None = opt(
         None,
         metavar="NAME|PATH",
-        default_text="zero1_<precision>; zero0_<precision> on 1 rank",
+        default_text="zero0_<precision> on 1 rank and fp32 on up to 4; zero1_<precision> beyond",
         open_clip="ds_clip only",
     )
-    """DeepSpeed preset name (ds_configs/<name>.json) or path to a JSON of engine settings. Left out: ZeRO-1 on
-    several ranks; ZeRO-0 on one (nothing to partition), unless --zero-stage, --coalesce-grad-reduction on or
-    fp16 asks for ZeRO (ds_config.default_preset; the start-up log says which and why)."""
+    """DeepSpeed preset name (ds_configs/<name>.json) or path to a JSON of engine settings. Left out: ZeRO-0 on
+    one rank (nothing to partition) and in fp32 on up to 4 (where ZeRO-1 saves little or no memory), ZeRO-1
+    otherwise; --zero-stage, --coalesce-grad-reduction on or fp16 asks for ZeRO (ds_config.default_preset; the
+    start-up log says which and why)."""
     zero_stage: int | None = opt(
         None, metavar="{0,1,2,3}", default_text="the preset's", open_clip="ds_clip only"
     )
