@@ -88,6 +88,24 @@ def bn_sync_blocker(use_bn_sync: bool, accelerator: str) -> str | None:
     )
 
 
+def precision_blocker(precision: str, accelerator: str) -> str | None:
+    """Why --precision cannot run on this machine's accelerator, else None: DeepSpeed refuses fp16 where its
+    accelerator has none (``initialize`` raises ValueError "fp16 is not supported on this device"; the CPU
+    accelerator has fp16 only with AVX512-FP16)."""
+    if precision != "fp16" or accelerator == "cuda":
+        return None
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.device_name() != accelerator or acc.is_fp16_supported():
+        return None
+    return (
+        f"--precision amp, fp16 or pure_fp16 (DeepSpeed fp16): this machine's {accelerator} accelerator has no fp16 "
+        "support "
+        "(DeepSpeed's CPU accelerator needs AVX512-FP16); use --precision amp_bf16 (bf16) or fp32"
+    )
+
+
 # ------------------------------------------------------------------------------------ the resolution
 
 
@@ -166,6 +184,8 @@ class ResolvedDeepSpeed:
     """Why DeepSpeed cannot build --opt on ``accelerator`` (``optimizer_blocker``), else None."""
     bn_sync_blocker: str | None = None
     """Why --use-bn-sync cannot run on ``accelerator`` (``bn_sync_blocker``), else None."""
+    precision_blocker: str | None = None
+    """Why --precision cannot run on ``accelerator`` (``precision_blocker``), else None."""
 
     @property
     def config(self) -> dict[str, Any]:
@@ -175,7 +195,7 @@ class ResolvedDeepSpeed:
     def refuse_blocked(self) -> None:
         """SettingsError with the first reason this machine cannot run the settings (before DeepSpeed fails
         inside its op builder, or torch in the first forward)."""
-        for why_not in (self.optimizer_blocker, self.bn_sync_blocker):
+        for why_not in (self.precision_blocker, self.optimizer_blocker, self.bn_sync_blocker):
             if why_not is not None:
                 raise SettingsError(why_not)
 
@@ -218,6 +238,7 @@ def resolve_deepspeed(
                 o.optimizer, offloaded=zero.cpu_optimizer, accelerator=accelerator
             ),
             bn_sync_blocker=bn_sync_blocker(s.model.use_bn_sync, accelerator),
+            precision_blocker=precision_blocker(dist.precision, accelerator),
         )
     return ResolvedDeepSpeed(
         json_text=json.dumps(cfg, indent=2),
