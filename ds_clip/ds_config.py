@@ -109,21 +109,44 @@ def precision_blocker(precision: str, accelerator: str) -> str | None:
 # ------------------------------------------------------------------------------------ the resolution
 
 
+# Up to this many ranks an fp32 run defaults to ZeRO-0, DDP's layout (every rank holds the whole optimizer state).
+# In fp32, ZeRO-1 keeps an fp32 master copy and a gradient partition beside the model's own parameters and
+# gradients: per rank 8 + 16/W bytes per parameter against ZeRO-0's 16, so it saves nothing at W = 2 (measured:
+# more, its flat buffers) and a quarter at W = 4, while it flattens every gradient into its partition, copies
+# the updated partition back and all-gathers the parameters every step (docs/benchmarks.md, "The multi-rank
+# default"). From W = 5 on (or in bf16, where ZeRO-1 saves a quarter at W = 2 and half at W = 4: its master
+# copy and moments are the partitioned part) the default partitions.
+ZERO0_FP32_MAX_RANKS = 4
+
+
 def default_preset(s: TrainSettings, world_size: int | None) -> tuple[str, str]:
     """The preset ds-clip-train runs without --ds-config, and why (one log line): where the default is decided.
 
     ZeRO-1 (``zero1_<precision>``) partitions the optimizer state over the W ranks. One process has nothing to
     partition it with, and ZeRO-1 there still costs a flattened copy of every gradient and of every updated
     parameter per step (about 2x open_clip's step for ViT-B-32 at k=1 on a CPU, docs/benchmarks.md), so W = 1
-    defaults to ZeRO-0, unless a flag needs ZeRO: --zero-stage (then the ZeRO-1 preset's buckets with that
-    stage, as before), --coalesce-grad-reduction on (ZeRO 1-3 only) or --precision fp16 (refused on ZeRO-0).
+    defaults to ZeRO-0, and so do fp32 runs on up to ZERO0_FP32_MAX_RANKS ranks (where ZeRO-1 saves little or
+    no memory), unless a flag needs ZeRO: --zero-stage (then the ZeRO-1 preset's buckets with that stage, as
+    before), --coalesce-grad-reduction on (ZeRO 1-3 only) or --precision fp16 (refused on ZeRO-0).
     ``world_size`` None (validation, before the process group): the multi-rank default, whose checks cover
     ZeRO-0's.
     """
     p = s.dist.precision
-    if world_size != 1:
+    explicit = s.dist.zero_stage is not None or s.dist.coalesce_grad_reduction == "on"
+    if world_size is None or (
+        world_size > 1 and (explicit or p != "fp32" or world_size > ZERO0_FP32_MAX_RANKS)
+    ):
         why = f"{world_size or 'W'} ranks: ZeRO-1 partitions the optimizer state over them"
+        if world_size is not None and p == "fp32" and not explicit:
+            why += f" (fp32 runs on up to {ZERO0_FP32_MAX_RANKS} ranks default to ZeRO-0)"
         return f"zero1_{p}", why
+    if world_size > 1:
+        return f"zero0_{p}", (
+            f"{world_size} fp32 ranks: ZeRO-1 would save little or no memory per rank here (its fp32 master and "
+            "gradient partitions cost back what partitioning the moments saves) and copy every gradient and "
+            "parameter once more per step; every rank holds the whole optimizer state, as DDP does "
+            "(--zero-stage N or --ds-config NAME to choose)"
+        )
     if s.dist.zero_stage is not None:
         return f"zero1_{p}", f"one process, --zero-stage {s.dist.zero_stage} on this preset's ZeRO settings"
     if s.dist.coalesce_grad_reduction == "on":

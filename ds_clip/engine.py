@@ -236,6 +236,8 @@ def build_engine(
         # (a copy of the whole gradient; 605 MB per step for ViT-B-32). Averaging over one rank is the
         # identity, so skip it. (ZeRO 1-3 move gradients into their partitions in that same call: kept.)
         engine.enable_backward_allreduce = False
+    elif _reduces_in_place(engine):
+        engine.allreduce_gradients = _in_place_allreduce(engine)
     if teacher is not None:
         from ds_clip.step import input_dtype
 
@@ -246,7 +248,13 @@ def build_engine(
             distill=teacher is not None,
             local_loss=loss.local_loss,
             gather_with_grad=loss.gather_with_grad,
-            impl=resolve_impl(loss.loss_impl, geometry.global_batch),
+            impl=resolve_impl(
+                loss.loss_impl,
+                geometry.global_batch,
+                siglip=loss.siglip,
+                local_loss=loss.local_loss,
+                distill=teacher is not None,
+            ),
             tile_size=loss.loss_tile_size,
         ),
         rank=rank,
@@ -261,6 +269,49 @@ def build_engine(
     return BuiltEngine(
         engine=engine, loss_fn=loss_fn, ds_config=ds_json, caption_fn=caption_fn, teacher=teacher
     )
+
+
+def _reduces_in_place(engine) -> bool:
+    """ZeRO-0 on several ranks, fp32, DeepSpeed's plain average (no predivide, no other communication dtype):
+    where ds_clip averages the gradients itself, in place, instead of DeepSpeed's whole-gradient flatten."""
+    import torch
+
+    return (
+        engine.zero_optimization_stage() == 0
+        and engine.dp_world_size > 1
+        and not engine.bfloat16_enabled()
+        and not engine.fp16_enabled()
+        and engine.gradient_average
+        and engine.postscale_gradients()
+        and engine.gradient_predivide_factor() == 1.0
+        and engine.communication_data_type == torch.float32
+        and all(p.dtype == torch.float32 for p in engine.module.parameters() if p.requires_grad)
+    )
+
+
+def _in_place_allreduce(engine):
+    """A replacement for ``engine.allreduce_gradients`` on ZeRO-0 (``_reduces_in_place``). DeepSpeed's own flattens
+    every gradient into one 5e8-element bucket, all-reduces it and copies it back: a transient copy of the whole
+    gradient and two passes over it, a fifth of a 2-rank ViT-B-32 step on a CPU (docs/benchmarks.md). This
+    averages the same gradients in place (``distributed.average_in_place``). DeepSpeed calls it where it called
+    its own: at ``engine.step()`` in ds_clip's unmanaged accumulation, once per optimizer step, before clipping
+    and the update. A trainable parameter without a gradient gets zeros first, as DeepSpeed's does, so every
+    rank reduces the same tensors."""
+    import torch
+
+    from ds_clip.distributed import average_in_place
+
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+
+    def allreduce_gradients(bucket_size: int | None = None) -> None:
+        if not engine.is_gradient_accumulation_boundary():
+            return  # DeepSpeed's own reduces at the boundary only (managed accumulation calls it per backward)
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        average_in_place([p.grad for p in params])
+
+    return allreduce_gradients
 
 
 def _check_resolved_for(ds: ResolvedDeepSpeed, geometry: BatchGeometry, accelerator: str) -> None:

@@ -308,7 +308,8 @@ class LossSettings:
     """Sigmoid (SigLIP) loss instead of the softmax CLIP loss."""
     loss_impl: str = opt("auto", choices=LOSS_IMPLS, open_clip="ds_clip only")
     """"dense" (whole logit matrix in memory), "tiled" (blocks of it, O(tile*N) memory) or "auto": tiled
-    from a global batch of 8192 pairs on, where it is also the faster one (docs/loss.md), dense below."""
+    from the global batch on where it is also the faster one on a CPU (docs/loss.md): 1024 pairs for the global
+    CLIP loss, 8192 for --local-loss, SigLIP and distillation; dense below."""
     loss_tile_size: int = opt(4096, metavar="PAIRS", unit="pairs", open_clip="ds_clip only")
     """Rows and columns of one block of the logit matrix in the tiled loss: memory grows as tile x N."""
     coca_contrastive_loss_weight: float = opt(1.0, metavar="W")
@@ -495,12 +496,13 @@ class DistSettings:
     ds_config: str | None = opt(
         None,
         metavar="NAME|PATH",
-        default_text="zero1_<precision>; zero0_<precision> on 1 rank",
+        default_text="zero0_<precision> on 1 rank and fp32 on up to 4; zero1_<precision> beyond",
         open_clip="ds_clip only",
     )
-    """DeepSpeed preset name (ds_configs/<name>.json) or path to a JSON of engine settings. Left out: ZeRO-1 on
-    several ranks; ZeRO-0 on one (nothing to partition), unless --zero-stage, --coalesce-grad-reduction on or
-    fp16 asks for ZeRO (ds_config.default_preset; the start-up log says which and why)."""
+    """DeepSpeed preset name (ds_configs/<name>.json) or path to a JSON of engine settings. Left out: ZeRO-0 on
+    one rank (nothing to partition) and in fp32 on up to 4 (where ZeRO-1 saves little or no memory), ZeRO-1
+    otherwise; --zero-stage, --coalesce-grad-reduction on or fp16 asks for ZeRO (ds_config.default_preset; the
+    start-up log says which and why)."""
     zero_stage: int | None = opt(
         None, metavar="{0,1,2,3}", default_text="the preset's", open_clip="ds_clip only"
     )

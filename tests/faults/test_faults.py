@@ -263,7 +263,7 @@ def _preempt(args: list[str], sig: signal.Signals, at_line: str) -> tuple[int, s
 
 @pytest.fixture(scope="module")
 def reference(model_dir, tmp_path_factory) -> Path:
-    """An unfaulted 2-rank run (6 steps, fp32, ZeRO-1, checkpoints every 2 steps): what a faulted and
+    """An unfaulted 2-rank run (6 steps, fp32, the default preset, checkpoints every 2 steps): what a faulted and
     resumed run must reach exactly."""
     logs = tmp_path_factory.mktemp("reference")
     ran = _ranks_by_hand(_args(model_dir, logs, "ref", "--save-every-n-steps", "2"), logs / "out")
