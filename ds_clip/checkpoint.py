@@ -451,6 +451,29 @@ class OutputError(UserError):
     same_on_every_rank = False  # --logs can be a different disk on each host: every rank says what it found
 
 
+def check_fresh_run_folder(run_dir: Path, name: str) -> None:
+    """A run started without --resume must not write into a run folder that holds checkpoints: it would mix
+    its steps with the old run's and repoint latest_complete at them. One line naming the folder and the two
+    ways out (open_clip refuses a reused --name too)."""
+    root = run_dir / "checkpoints"
+    tags = (
+        sorted((p for p in root.iterdir() if p.is_dir() and _step_of(p) is not None), key=_step_of)
+        if root.is_dir()
+        else []
+    )
+    if not tags and not (root / POINTER).exists():
+        return
+    latest = f", the latest {tags[-1].name}" if tags else ""
+    raise RunFolderError(
+        f"--name {name}: the run folder {run_dir} already holds checkpoints ({len(tags)}{latest}); continue "
+        f"that run with --resume latest, or start a new one with another --name"
+    )
+
+
+class RunFolderError(UserError):
+    """A new run named like an existing one (its folder holds checkpoints) without --resume."""
+
+
 def _step_of(folder: Path) -> int | None:
     name = folder.name
     if not name.startswith(TAG_PREFIX) or not name[len(TAG_PREFIX) :].isdigit():

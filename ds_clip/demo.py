@@ -91,6 +91,19 @@ def main(argv: list[str] | None = None) -> int:
     if a.workers < 0:
         print(f"ds-clip-demo: error: --workers must be >= 0, got {a.workers}", file=sys.stderr)
         return 2
+    if a.keep:  # its run folders A and B: a second demo into the same folder would be refused by the trainer
+        from ds_clip.checkpoint import RunFolderError, check_fresh_run_folder
+
+        try:
+            for name in ("A", "B"):
+                check_fresh_run_folder(Path(a.keep) / name, name)
+        except RunFolderError:
+            print(
+                f"ds-clip-demo: error: --keep {a.keep} holds the run folders of an earlier demo (A, B with "
+                "checkpoints); give another folder",
+                file=sys.stderr,
+            )
+            return 2
     from ds_clip.export import consolidated_state_dict
     from ds_clip.geometry import BatchGeometry
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -68,7 +69,25 @@ def build_open_clip_model(model_cfg: dict, preprocess_cfg: dict | None = None):
         (Path(tmp) / CONFIG_FILE).write_text(
             json.dumps({"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg or {}})
         )
-        return open_clip.create_model(f"local-dir:{tmp}")
+        # The weights are loaded right after, from the checkpoint: open_clip's warnings that this model is
+        # "initialized randomly" (no weights in the folder) would tell the user of a correct export the opposite.
+        root = logging.getLogger()
+        root.addFilter(_no_random_init_warning)
+        try:
+            return open_clip.create_model(f"local-dir:{tmp}")
+        finally:
+            root.removeFilter(_no_random_init_warning)
+
+
+# open_clip's two warnings about an empty local-dir: folder, true of the scratch folder, false of the export.
+_RANDOM_INIT_WARNINGS = (
+    "No pretrained weights loaded for model",
+    "Local config loaded, but no CLIP weights found",
+)
+
+
+def _no_random_init_warning(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(_RANDOM_INIT_WARNINGS)
 
 
 def to_open_clip(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:

@@ -4,6 +4,8 @@
     DS_CLIP_INJECT_FAULT="nan@2-:0"         rank 0 feeds NaN images from step 2 on
     DS_CLIP_INJECT_FAULT="kill@3:1"         rank 1 SIGKILLs itself at the start of step 3
     DS_CLIP_INJECT_FAULT="kill-in-save@4:1" rank 1 SIGKILLs itself while checkpoint 4 is half written
+    DS_CLIP_INJECT_FAULT="eval-error@2:1"   rank 1 cannot read its --val-data samples in the evaluation
+                                            at optimizer step 2 (an OSError, as from a store gone away)
 
 STEP is the 0-based index of the batch this process trains (its attempt count): equal to the optimizer
 step index while nothing is skipped, and it keeps counting through skipped steps, so "nan@1:1" poisons one
@@ -93,9 +95,25 @@ class StepFaults:
         return micro_batches
 
 
+class EvalFaults:
+    """The evaluator's ``before_read`` hook: raises OSError where rank ``rank`` reads its validation samples
+    in the evaluation at optimizer step ``step`` ("eval-error"); STEP is that optimizer step."""
+
+    def __init__(self, faults: list[Fault]) -> None:
+        self.faults = faults
+
+    def __call__(self, step: int, rank: int) -> None:
+        if any(f.fires("eval-error", step, rank) for f in self.faults):
+            print(f"[fault injection] rank {rank}: validation data unreadable at step {step}", flush=True)
+            raise OSError(f"[fault injection] validation data unreadable at step {step}")
+
+
 def install(trainer: Any) -> None:
-    """Set ``trainer.before_step`` when DS_CLIP_INJECT_FAULT is set (a bad value fails here, at start);
-    leave it None otherwise."""
+    """Set ``trainer.before_step`` (and, for an evaluation fault, ``trainer.evaluator.before_read``) when
+    DS_CLIP_INJECT_FAULT is set (a bad value fails here, at start); leave them None otherwise."""
     text = os.environ.get(ENV)
     if text:
-        trainer.before_step = StepFaults(_parse(text))
+        faults = _parse(text)
+        trainer.before_step = StepFaults(faults)
+        if any(f.kind == "eval-error" for f in faults):
+            trainer.evaluator.before_read = EvalFaults(faults)

@@ -97,14 +97,17 @@ def _error(exc: BaseException | str, quiet: bool) -> None:
 
 
 def dry_run(s: TrainSettings) -> None:
-    """--dry-run: what can be checked without starting is checked (the flags, the preset, the resolved JSON
-    for this launch's world size, whether DeepSpeed builds --opt on this machine's accelerator); the settings
-    and the JSON are printed as the run folder would get them. No process group, no model, no files."""
+    """--dry-run: what can be checked without starting is checked (the flags, the evaluation inputs, the
+    preset, the resolved JSON for this launch's world size, whether DeepSpeed builds --opt on this machine's
+    accelerator); the settings and the JSON are printed as the run folder would get them. No process group,
+    no model, no files written."""
     from ds_clip.distributed import accelerator_name  # (deepspeed's accelerator, not a process group)
     from ds_clip.ds_config import resolve_deepspeed
     from ds_clip.engine import resolve_geometry
+    from ds_clip.evaluate import check_train_inputs
     from ds_clip.presets import precision_mapping_text
 
+    check_train_inputs(s)  # the evaluation inputs are read as the start would read them
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     geometry = resolve_geometry(s, world_size)
     ds = resolve_deepspeed(s, world_size, accelerator=accelerator_name())

@@ -27,7 +27,6 @@ from ds_clip.config import (
     DataSettings,
     LoggingSettings,
     ModelSettings,
-    SettingsError,
     TrainSettings,
     settings_to_dict,
 )
@@ -113,6 +112,8 @@ class Trainer:
     def __init__(self, s: TrainSettings) -> None:
         # Before any process group: an unusable output folder is a one-line error, not a crash at save time.
         checkpoint.check_writable(Path(s.logging.logs))
+        # Every evaluation input too: a bad one is a one-line error now, not a failure after the last step.
+        evaluate.check_train_inputs(s)
         self.s = s
         self.info = info = init_distributed(timeout_s=s.dist.dist_timeout)
         # Resolved once, here, and handed down: the batch geometry and the DeepSpeed side of the run.
@@ -173,6 +174,17 @@ class Trainer:
         lg, info = self.s.logging, self.info
         lg.name = _broadcast_name(lg.name, info)
         run_dir = Path(lg.logs) / lg.name
+        refusal = None
+        if info.is_main and not self.s.checkpoint.resume:
+            try:
+                checkpoint.check_fresh_run_folder(run_dir, lg.name)
+            except checkpoint.RunFolderError as exc:
+                refusal = str(exc)
+        # Rank 0's verdict on every rank (the folder may be on rank 0's disk only): all refuse together.
+        if info.world_size > 1:
+            refusal = distributed.broadcast_object(refusal)
+        if refusal is not None:
+            raise checkpoint.RunFolderError(refusal)
         if info.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             write_run_files(run_dir, settings_to_dict(self.s), self.ds)
@@ -215,6 +227,11 @@ class Trainer:
             for flag, folder in (("--imagenet-val", ev.imagenet_val), ("--imagenet-v2", ev.imagenet_v2))
             if folder is not None
         }
+        tasks = evaluate.imagenet_tasks(imagenet, self.bundle.tokenizer)
+        if ev.zeroshot_folder is not None:
+            tasks.append(
+                evaluate.folder_task(ev.zeroshot_folder, ev.zeroshot_classnames, ev.zeroshot_templates)
+            )
         return Evaluator(
             self.engine,
             self._eval_settings(image_px),
@@ -226,16 +243,11 @@ class Trainer:
             val_every_n_epochs=ev.val_frequency,
             zeroshot_every_n_epochs=ev.zeroshot_frequency,
             steps_per_epoch=self.data.steps_per_epoch,
-            imagenet=imagenet,
+            zeroshot_tasks=tasks,
             batch_size=self.geometry.micro_batch_size,
         )
 
     def _eval_settings(self, image_px: int) -> evaluate.EvalSettings | None:
-        if self.s.eval.zeroshot_classes:
-            try:  # a bad file fails now, not after the first steps
-                evaluate.load_zeroshot(self.s.eval.zeroshot_classes)
-            except evaluate.EvalError as exc:
-                raise SettingsError(str(exc)) from exc
         return evaluate.EvalSettings.from_settings(self.s, image_px)
 
     def _step(self, batch: StepBatch, step: int, attempt: int) -> StepResult:
@@ -312,8 +324,9 @@ class Trainer:
                     epoch, start_in_epoch = epoch + 1, 0
                     continue
                 break
-            self.evaluator.run(step, tb)
+            # The final checkpoint first: whatever the final evaluation meets, the trained run is saved.
             self.checkpointer.save(step)
+            self.evaluator.run(step, tb)
         finally:
             stop.uninstall()
             if writer is not None:

@@ -493,6 +493,21 @@ def test_eval_on_2_ranks_zero3_equals_ds_clip_eval_of_the_export(runs, tmp_path)
         assert v == pytest.approx(in_run[k], rel=1e-4, abs=1e-6), k
 
 
+def test_the_export_model_is_built_without_a_random_weights_warning(caplog, capfd):
+    """ds-clip-export builds open_clip's model from the config, then loads the checkpoint into it: open_clip's
+    "No pretrained weights loaded ... initialized randomly" would tell the user the opposite of what happened.
+    The filter is gone afterwards (the warning still reaches a user who builds a random model themselves)."""
+    import logging
+
+    from ds_clip.export import build_open_clip_model
+
+    with caplog.at_level(logging.WARNING):
+        build_open_clip_model(MODEL)
+    err = capfd.readouterr().err
+    assert "randomly" not in caplog.text + err and "no CLIP weights" not in caplog.text + err
+    assert not logging.getLogger().filters
+
+
 # ------------------------------------------------------------------------- bad checkpoints (no engine needed)
 
 

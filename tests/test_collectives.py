@@ -435,6 +435,7 @@ def test_trainer_evaluation_checkpoint_resume_issue_no_flagged_collective(tmp_pa
     assert "resumed from" in out and "val step 4" in out and "val step 6" in out
     bad = [r for r in recs if r["offences"]]
     assert not bad, guard.format_offences(bad)
-    callers = {m for r in recs for m in r["modules"]}
+    # By package module: ds_clip.evaluate.runner counts as ds_clip.evaluate.
+    callers = {".".join(m.split(".")[:2]) for r in recs for m in r["modules"] if m}
     assert {"ds_clip.evaluate", "ds_clip.checkpoint", "ds_clip.loss", "ds_clip.trainer"} <= callers, callers
     assert {r["rank"] for r in recs} == {0, 1}

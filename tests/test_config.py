@@ -200,6 +200,7 @@ def test_help_names_every_flag():
     for flag in ("--accum-freq", "--batch-size", "--ds-config", "--zero-stage", "--precision", "--report-to"):
         assert flag in text
     assert "--local_rank" not in text  # set by the launcher, not by users
+    assert "SUPPRESS" not in text and "--dist-url [VALUE]" in text  # answered open_clip flags show a metavar
 
 
 def test_argparse_type_errors_exit_2():
@@ -557,7 +558,8 @@ def test_eval_parser_reuses_the_training_fields():
     for name in evaluate.SHARED_FLAGS:
         assert evals[name].option_strings == train[name].option_strings, name
         assert evals[name].type == train[name].type or evals[name].type.__name__ == train[name].type.__name__
-    assert evals["batch_size"].default == evaluate.EVAL_BATCH_SIZE and evals["val_data"].required
+    # --val-data is optional there: class folders alone (--zeroshot-folder, --imagenet-val) are an evaluation too.
+    assert evals["batch_size"].default == evaluate.EVAL_BATCH_SIZE and not evals["val_data"].required
     docs = {f.name: f.doc.replace("%", "%%") for f in flags()}
     assert all(
         evals[n].help.startswith(docs[n]) and train[n].help.startswith(docs[n]) for n in evaluate.SHARED_FLAGS

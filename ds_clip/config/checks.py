@@ -137,6 +137,24 @@ def check_eval(ev: EvalSectionSettings, *, batch_size: int) -> None:
     for flag, folder in (("--imagenet-val", ev.imagenet_val), ("--imagenet-v2", ev.imagenet_v2)):
         if folder is not None:
             imagenet_class_folders(folder, flag)
+    if ev.zeroshot_folder is not None:
+        need(
+            Path(ev.zeroshot_folder).expanduser().is_dir(),
+            f"--zeroshot-folder {ev.zeroshot_folder!r}: no such folder",
+        )
+    if ev.zeroshot_classnames is not None:
+        need(
+            ev.zeroshot_folder is not None,
+            "--zeroshot-classnames names the classes of --zeroshot-folder: give that too",
+        )
+        need(
+            Path(ev.zeroshot_classnames).expanduser().is_file(),
+            f"--zeroshot-classnames {ev.zeroshot_classnames!r}: no such file",
+        )
+    need(
+        ev.zeroshot_templates in ("openai", "simple") or Path(ev.zeroshot_templates).expanduser().is_file(),
+        f"--zeroshot-templates {ev.zeroshot_templates!r}: expected openai, simple or a file of templates",
+    )
     if ev.zeroshot_classes is not None:
         need(bool(ev.val_data), "--zeroshot-classes needs --val-data (the images to classify)")
         need(

@@ -94,9 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
         "open_clip_train's flags with no ds_clip counterpart: exit 2 saying why",
     )
     for option, (takes_value, why) in ANSWERED.items():
+        # A metavar of its own: argparse would otherwise derive one from dest and print "==SUPPRESS==".
+        value = {"metavar": "VALUE"} if takes_value else {}
         group.add_argument(
             option, action=Answered, nargs="?" if takes_value else 0, dest=argparse.SUPPRESS,
-            default=argparse.SUPPRESS, help=why.replace("%", "%%"),
+            default=argparse.SUPPRESS, help=why.replace("%", "%%"), **value,
         )  # fmt: skip
     return p
 

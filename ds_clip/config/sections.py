@@ -392,8 +392,9 @@ class EvalSectionSettings:
     """eval: validation data and when to evaluate (ds_clip.evaluate.EvalSettings is built from it)."""
 
     val_data: str | None = opt(None, metavar="PATTERN", open_clip='differs: also "synthetic"')
-    """Validation shards (same syntax as --train-data) or "synthetic" (held-out pairs of the built-in
-    dataset)."""
+    """Validation shards (same syntax as --train-data), a CSV/TSV file (a .csv/.tsv name, or any file with
+    --dataset-type csv; the --csv-* columns and separator) or "synthetic" (held-out pairs of the built-in
+    dataset). Checked before the first step; an evaluation that fails mid-run is logged and skipped."""
     val_num_samples: int | None = opt(None, metavar="N", unit="pairs", default_text="all (512 for synthetic)")
     """Validation pairs evaluated."""
     val_every_n_steps: int | None = opt(
@@ -423,9 +424,6 @@ class EvalSectionSettings:
     )
     """Zero-shot evaluation (--zeroshot-classes) at the end of every this many epochs (0: never
     mid-run), besides the end of the run; without zero-shot data it has nothing to do (as in open_clip)."""
-    zeroshot_classes: str | None = opt(
-        None, metavar="FILE", open_clip="ds_clip only (open_clip: --imagenet-val)"
-    )
     imagenet_val: str | None = opt(
         None,
         metavar="DIR",
@@ -446,6 +444,19 @@ class EvalSectionSettings:
     )
     """Zero-shot classification: a JSON file {"classnames": [...], "templates": [...]} (templates with
     "{c}", or "simple"/"openai" for open_clip's lists) or a text file, one class a line. Needs --val-data."""
+    zeroshot_folder: str | None = opt(
+        None, metavar="DIR", open_clip="ds_clip only (open_clip: --imagenet-val)"
+    )
+    """Zero-shot top-1/top-5 on your own classes: a folder with one sub-folder of images per class
+    (torchvision's ImageFolder layout); class names from the sub-folders' names ("_" read as a space) or
+    --zeroshot-classnames, prompts from --zeroshot-templates. At --zeroshot-frequency and at the end, as
+    --imagenet-val."""
+    zeroshot_classnames: str | None = opt(None, metavar="JSON", open_clip="ds_clip only")
+    """Class names of the --zeroshot-folder classes: a JSON object {"sub-folder": "class name", ...} naming
+    every sub-folder, or a JSON list of names in the sub-folders' sorted order."""
+    zeroshot_templates: str = opt("openai", metavar="openai|simple|FILE", open_clip="ds_clip only")
+    """Prompt templates of --zeroshot-folder: open_clip's "openai" (80, as its ImageNet zero-shot) or
+    "simple" lists, or a file: a JSON list of strings with "{c}" (the class name), or one template a line."""
 
 
 @dataclass

@@ -42,11 +42,14 @@ def separator_char(separator: str) -> str:
     return "\t" if separator == "\\t" else separator
 
 
-def read_table(path: str, img_key: str, caption_key: str, separator: str) -> tuple[list[str], list[str]]:
-    """(image paths, captions) of every row of the file, in file order. Raises DataError naming the flag."""
+def read_table(
+    path: str, img_key: str, caption_key: str, separator: str, flag: str = "--train-data"
+) -> tuple[list[str], list[str]]:
+    """(image paths, captions) of every row of the file, in file order. Raises DataError naming the flag
+    (``flag``: --train-data, or --val-data for a validation table)."""
     sep = separator_char(separator)
     if not os.path.isfile(path):
-        raise DataError(f"--train-data {path!r}: no such CSV/TSV file (--dataset-type csv)")
+        raise DataError(f"{flag} {path!r}: no such CSV/TSV file")
     paths: list[str] = []
     captions: list[str] = []
     try:
@@ -54,22 +57,22 @@ def read_table(path: str, img_key: str, caption_key: str, separator: str) -> tup
             reader = csv.DictReader(f, delimiter=sep)
             header = reader.fieldnames
             if not header:
-                raise DataError(f"--train-data {path!r} is empty: it needs a header row naming the columns")
+                raise DataError(f"{flag} {path!r} is empty: it needs a header row naming the columns")
             _check_columns(path, header, img_key, caption_key, separator)
             for row in reader:
                 image, caption = row.get(img_key), row.get(caption_key)
                 if image is None or caption is None or None in row:
                     raise DataError(
-                        f"--train-data {path!r} line {reader.line_num}: not as many fields as the header's "
+                        f"{flag} {path!r} line {reader.line_num}: not as many fields as the header's "
                         f"{len(header)} columns (--csv-separator {separator!r}; quote fields that contain it)"
                     )
                 paths.append(image)
                 captions.append(caption)
     except UnicodeDecodeError as exc:
-        raise DataError(f"--train-data {path!r} is not UTF-8 text: {exc}") from None
+        raise DataError(f"{flag} {path!r} is not UTF-8 text: {exc}") from None
     except csv.Error as exc:
         raise DataError(
-            f"--train-data {path!r}: not readable as CSV with --csv-separator {separator!r}: {exc}"
+            f"{flag} {path!r}: not readable as CSV with --csv-separator {separator!r}: {exc}"
         ) from None
     return paths, captions
 

@@ -1,0 +1,112 @@
+"""The trainer's evaluator: when to evaluate and what (its cadence), on the engine; an evaluation that fails
+costs the evaluation, not the run."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from ds_clip import distributed
+from ds_clip.checkpoint import epochs_done_at, on_cadence
+from ds_clip.evaluate.reporting import report
+from ds_clip.evaluate.runner import engine_forward, run_on_engine
+from ds_clip.evaluate.settings import EVAL_BATCH_SIZE, EvalFailed, EvalSettings
+from ds_clip.evaluate.zeroshot import ClassFolderTask, classify_folders
+
+logger = logging.getLogger("ds_clip")
+
+
+class Evaluator:
+    """When the trainer evaluates, and what: owns ``--val-every-n-steps`` and ``--val-frequency`` (epochs) for
+    the --val-data evaluation, ``--zeroshot-frequency`` (epochs) for the zero-shot ones (--imagenet-val,
+    --imagenet-v2, --zeroshot-folder, and --zeroshot-classes, which is computed with --val-data: its cadence
+    runs that too), and the final evaluation of everything. Every rank holds one and calls every method (each
+    rank embeds its slice: a collective); rank 0 reports all metrics of a step in one row.
+
+    An evaluation that fails (``EvalFailed``: the ranks agreed that one of them could not read its samples or
+    run its forwards) is logged on rank 0 in one line and skipped; training goes on, and the other evaluations
+    of that step still run."""
+
+    before_read: Callable[[int, int], None] | None = None
+    """Hook called with (step, rank) where each rank reads its --val-data samples; None in a normal run:
+    ``faults.install`` sets it when DS_CLIP_INJECT_FAULT asks for an evaluation fault."""
+
+    def __init__(
+        self,
+        engine,
+        settings: EvalSettings | None,
+        *,
+        preprocess,
+        tokenizer,
+        run_dir: Path,
+        every_n_steps: int | None,
+        is_main: bool,
+        val_every_n_epochs: int | None = None,
+        zeroshot_every_n_epochs: int | None = None,
+        steps_per_epoch: int | None = None,
+        zeroshot_tasks: list[ClassFolderTask] | None = None,
+        batch_size: int = EVAL_BATCH_SIZE,
+    ) -> None:
+        self.engine, self.settings = engine, settings
+        self.preprocess, self.tokenizer = preprocess, tokenizer
+        self.run_dir, self.every_n_steps, self.is_main = Path(run_dir), every_n_steps, is_main
+        self.val_every_n_epochs, self.zeroshot_every_n_epochs = val_every_n_epochs, zeroshot_every_n_epochs
+        self.steps_per_epoch, self.zeroshot_tasks = steps_per_epoch, zeroshot_tasks or []
+        self.batch_size = batch_size
+        self.failures = 0
+        """Evaluations that failed and were skipped in this run."""
+
+    def run(self, step: int, tb_writer=None, *, val: bool = True, zeroshot: bool = True) -> None:
+        metrics: dict[str, float] = {}
+        if self.settings is not None and (val or (zeroshot and self.settings.zeroshot_classes)):
+            metrics.update(self._guarded(step, "--val-data", self._val))
+        if self.zeroshot_tasks and zeroshot:
+            metrics.update(self._guarded(step, "zero-shot", self._zeroshot))
+        if metrics and self.is_main:
+            try:
+                report(self.run_dir, step, metrics, tb_writer)
+            except OSError as exc:  # rank 0 alone, after every collective: the run goes on
+                logger.warning("step %d: evaluation results not written (%s); training continues", step, exc)
+
+    def _guarded(self, step: int, what: str, fn: Callable[[int], dict[str, float]]) -> dict[str, float]:
+        """``fn(step)``, or nothing when it failed on some rank (all ranks raised EvalFailed together)."""
+        try:
+            return fn(step)
+        except EvalFailed as exc:
+            self.failures += 1
+            if self.is_main:
+                logger.warning(
+                    "step %d: %s evaluation failed, skipped (%s); training continues", step, what, exc
+                )
+            return {}
+
+    def _val(self, step: int) -> dict[str, float]:
+        assert self.settings is not None
+        hook = self.before_read
+        return run_on_engine(
+            self.engine, self.settings, preprocess=self.preprocess, tokenizer=self.tokenizer,
+            before_read=None if hook is None else (lambda: hook(step, distributed.rank())),
+        )  # fmt: skip
+
+    def _zeroshot(self, step: int) -> dict[str, float]:
+        was_training = self.engine.module.training
+        self.engine.eval()
+        try:
+            return classify_folders(
+                engine_forward(self.engine), self.zeroshot_tasks, preprocess=self.preprocess,
+                tokenizer=self.tokenizer, batch_size=self.batch_size, device=self.engine.device,
+            )  # fmt: skip
+        finally:
+            if was_training:
+                self.engine.train()
+
+    def maybe_run(self, step: int, total_steps: int, tb_writer=None) -> None:
+        """Evaluate what is on its cadence; the last step is evaluated by ``run`` at the end of the run, once."""
+        if step >= total_steps:
+            return
+        epochs = epochs_done_at(step, self.steps_per_epoch)
+        val = on_cadence(step, self.every_n_steps, epochs, self.val_every_n_epochs)
+        zeroshot = on_cadence(step, None, epochs, self.zeroshot_every_n_epochs)
+        if val or zeroshot:
+            self.run(step, tb_writer, val=val, zeroshot=zeroshot)
