@@ -26,8 +26,9 @@ import logging
 import os
 import random
 import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -200,8 +201,12 @@ def save(
     *,
     meta: dict[str, Any] | None = None,
     keep: int | None = None,
+    write_extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Every rank calls this. Returns the checkpoint folder.
+
+    ``write_extra(path)``: writes this rank's files of state DeepSpeed does not hold (the weight EMA) into the
+    folder before it is listed in the manifest and marked complete.
 
     ``meta`` (JSON-able, rank 0's is written) should hold epoch, samples_seen, world_size, accum_freq,
     micro_batch_size, model, model_cfg; the engine's ZeRO stage and parameter shapes are added here.
@@ -216,6 +221,8 @@ def save(
     engine.save_checkpoint(str(ckpt_root), tag=tag, client_state=client, save_latest=False)
     # Each rank's data position (webdataset positions differ per rank) and RNG states.
     _write_json_atomic(path / f"rank{_rank()}.json", {"data": data_state, "rng": rng_state()})
+    if write_extra is not None:
+        write_extra(path)
     full_meta = {
         "step": step,
         **(meta or {}),
@@ -624,6 +631,15 @@ def on_cadence(
     )
 
 
+class CheckpointPart(Protocol):
+    """State beside DeepSpeed's that a checkpoint carries (the weight EMA): written by every rank into the
+    checkpoint folder, read back on resume."""
+
+    def save_to(self, path: Path) -> None: ...
+
+    def load_from(self, path: Path, *, is_main: bool) -> bool: ...
+
+
 class Checkpointer:
     """When the trainer saves, and what a save records: owns ``--save-every-n-steps``, ``--save-frequency``
     (epochs), ``--save-most-recent``, ``--keep-checkpoints`` (``--delete-previous-checkpoint``: 1) and
@@ -640,6 +656,7 @@ class Checkpointer:
         settings: dict[str, Any],
         meta: dict[str, Any],
         steps_per_epoch: int | None = None,
+        parts: Sequence[CheckpointPart] = (),
     ) -> None:
         """``section``: the checkpoint flags; ``geometry``: the run's W, k, m (the N a resume must keep, the
         samples a step counts); ``settings``: the flat settings (settings.json) a resume checks; ``meta``: what
@@ -650,14 +667,18 @@ class Checkpointer:
         self.every_n_steps, self.every_n_epochs = section.save_every_n_steps, section.save_frequency
         self.keep = 1 if section.delete_previous_checkpoint else section.keep_checkpoints
         self.most_recent, self.steps_per_epoch = section.save_most_recent, steps_per_epoch
+        self.parts = list(parts)
+        self.resumed_from: Path | None = None
+        """The checkpoint folder ``resume`` loaded (None: a fresh start)."""
         self._recent_only: Path | None = None
         """The last checkpoint saved only for --save-most-recent: deleted once a newer one is complete."""
 
     def save(self, step: int, *, recent_only: bool = False) -> Path:
         meta = {**self.meta, "epoch": self.data.epoch, "samples_seen": step * self.geometry.global_batch}
         path = save(
-            self.engine, self.run_dir, step, self.data.state_dict(), self.settings, meta=meta, keep=self.keep
-        )
+            self.engine, self.run_dir, step, self.data.state_dict(), self.settings, meta=meta, keep=self.keep,
+            write_extra=self._write_parts if self.parts else None,
+        )  # fmt: skip
         previous, self._recent_only = self._recent_only, (path if recent_only else None)
         if previous is not None and previous != path and _rank() == 0 and previous.exists():
             # The marker goes first (as in prune): a deletion cut short leaves a folder that reads as partial.
@@ -667,6 +688,10 @@ class Checkpointer:
                 "removed %s: --save-most-recent keeps the newest epoch's checkpoint only", previous.name
             )
         return path
+
+    def _write_parts(self, path: Path) -> None:
+        for part in self.parts:
+            part.save_to(path)
 
     def maybe_save(self, step: int, total_steps: int) -> None:
         """Save on the step or epoch cadence, or at an epoch's end for --save-most-recent; the last step is
@@ -693,6 +718,9 @@ class Checkpointer:
             settings=self.settings,
         )
         self.data.load_state_dict(state["data"])
+        self.resumed_from = Path(state["path"])
+        for part in self.parts:
+            part.load_from(self.resumed_from, is_main=is_main)
         if is_main:
             logger.info(
                 "resumed from %s at step %d (epoch %d, step %d in epoch)%s",

@@ -34,6 +34,7 @@ import re
 import statistics
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -622,6 +623,14 @@ def format_line(step: int, m: dict[str, float]) -> str:
 def report(run_dir: Path, step: int, metrics: dict[str, float], tb_writer=None) -> None:
     """Rank 0: log line, TensorBoard (val/*), run_dir/val_metrics.csv, run_dir/eval_results.json (all evaluations)."""
     logger.info(format_line(step, metrics))
+    for prefix in sorted(
+        {k.split("/", 1)[0] + "/" for k in metrics if "/" in k}
+    ):  # other weights: a line each
+        logger.info(
+            "%s %s",
+            prefix,
+            format_line(step, {k[len(prefix) :]: v for k, v in metrics.items() if k.startswith(prefix)}),
+        )
     row = {"step": step, **metrics}
     if tb_writer is not None:
         for k, v in metrics.items():
@@ -761,7 +770,11 @@ class Evaluator:
         steps_per_epoch: int | None = None,
         imagenet: dict[str, str] | None = None,
         batch_size: int = EVAL_BATCH_SIZE,
+        views: dict[str, Callable[[], AbstractContextManager]] | None = None,
     ) -> None:
+        """``views``: other weights evaluated beside the live ones, metrics prefixed by the key (``"ema/"``);
+        the value makes the engine compute with those weights inside its block (every rank enters it)."""
+        self.views = views or {}
         self.engine, self.settings = engine, settings
         self.preprocess, self.tokenizer = preprocess, tokenizer
         self.run_dir, self.every_n_steps, self.is_main = Path(run_dir), every_n_steps, is_main
@@ -769,6 +782,17 @@ class Evaluator:
         self.steps_per_epoch, self.imagenet, self.batch_size = steps_per_epoch, imagenet or {}, batch_size
 
     def run(self, step: int, tb_writer=None, *, val: bool = True, zeroshot: bool = True) -> None:
+        metrics = self._metrics(val=val, zeroshot=zeroshot)
+        for prefix, weights in self.views.items():
+            if metrics:
+                with weights():
+                    metrics.update(
+                        {prefix + k: v for k, v in self._metrics(val=val, zeroshot=zeroshot).items()}
+                    )
+        if metrics and self.is_main:
+            report(self.run_dir, step, metrics, tb_writer)
+
+    def _metrics(self, *, val: bool, zeroshot: bool) -> dict[str, float]:
         metrics: dict[str, float] = {}
         if self.settings is not None and (val or (zeroshot and self.settings.zeroshot_classes)):
             metrics.update(
@@ -789,8 +813,7 @@ class Evaluator:
             finally:
                 if was_training:
                     self.engine.train()
-        if metrics and self.is_main:
-            report(self.run_dir, step, metrics, tb_writer)
+        return metrics
 
     def maybe_run(self, step: int, total_steps: int, tb_writer=None) -> None:
         """Evaluate what is on its cadence; the last step is evaluated by ``run`` at the end of the run, once."""
