@@ -302,6 +302,11 @@ class WeightEma:
             "fragments": self.where.fragments,
             "shapes": self.shapes,
         }  # fmt: skip
+        if (
+            distributed.rank() == 0
+        ):  # a step saved again on fewer ranks: no file of a rank this run lacks stays
+            for f in rank_files(path)[distributed.world_size() :]:
+                f.unlink(missing_ok=True)
         tmp = path / f".{FILE_PREFIX}{distributed.rank()}.pt.tmp"
         torch.save(state, tmp)
         tmp.replace(path / f"{FILE_PREFIX}{distributed.rank()}.pt")
@@ -319,20 +324,24 @@ class WeightEma:
                     "step", path,
                 )  # fmt: skip
             return False
-        world = distributed.world_size()
-        own = safe_load(files[0].parent / f"{FILE_PREFIX}{distributed.rank()}.pt", flag="--resume")
+        own = None
+        if len(files) == distributed.world_size():  # the same world size: this rank's file, if laid out alike
+            own = safe_load(path / f"{FILE_PREFIX}{distributed.rank()}.pt", flag="--resume")
         same = (
-            len(files) == world
+            own is not None
             and own["kind"] == self.where.kind
             and own["fragments"] == _plain(self.where.fragments)
         )
+        # Every rank takes the same branch (the other one assembles from all files: no collective either way, but
+        # the log line must say what happened everywhere).
+        same = not distributed.any_rank(not same)
         if same:
             for e, saved in zip(self.flats, own["flats"]):
                 e.copy_(saved.to(e.dtype))
         else:
             full = full_state_from_files(path)
             self._fill_from(full)
-        self.updates = int(own["updates"])
+        self.updates = int((own or safe_load(files[0], flag="--resume"))["updates"])
         if is_main:
             logger.info(
                 "resumed the weight EMA (%d updates) from %s%s", self.updates, path,
