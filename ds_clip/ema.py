@@ -14,7 +14,7 @@ Where the masters are (DeepSpeed 0.19.8):
 | ZeRO-0 fp32 | the parameters themselves | (they are the working copy) |
 | ZeRO-0 bf16 (``FP16_UnfusedOptimizer``) | ``optimizer.fp32_groups`` (one fp32 tensor per parameter) | a copy per parameter |
 | ZeRO-1/2 (``single_partition_of_fp32_groups``), ``BF16_Optimizer`` (``fp32_groups_flat_partition``) | one flat partition per parameter group | ``optimizer.update_lp_params()`` (an all-gather) |
-| ZeRO-3 (``fp32_partitioned_groups_flat``) | one flat partition per sub-group | DeepSpeed's own reassign of each sub-group, then the persistent parameters gathered |
+| ZeRO-3 (``fp32_partitioned_groups_flat``) | one flat partition per sub-group | gathered parameters released, DeepSpeed's own reassign of each sub-group, the persistent parameters gathered |
 
 Decay: timm's ``ModelEmaV3.get_decay`` (``EmaSchedule.decay_at``): the first update (optimizer step 1) copies
 the weights; then ``--ema-decay``, or with ``--ema-warmup`` ``1 - (1 + t/gamma)^-power`` capped by it. Updates run
@@ -145,6 +145,10 @@ class _Zero3(_Masters):
         # What DeepSpeed's ZeRO-3 step does after the optimizer update: each sub-group's master into its working
         # partition, then the persistent (small, always whole) parameters gathered again.
         opt = self.opt
+        # First release every gathered parameter: a forward under no_grad (an evaluation) leaves them gathered,
+        # and the next forward would compute with those whole copies instead of the new partitions. Releasing
+        # copies nothing back (the partitions are the truth), so it is safe before or after the copy into them.
+        opt.empty_partition_cache()
         for j in range(len(opt.fp32_partitioned_groups_flat)):
             opt._reassign_or_swap_out_partitioned_parameters(j)
         if opt.persistent_parameters:
