@@ -104,9 +104,9 @@ def export(checkpoint: str, out: str | Path, *, ema: bool = False) -> Path:
             f"{path}: the checkpoint records no model_cfg; cannot build the open_clip model"
         )
     model = build_open_clip_model(model_cfg, meta.get("preprocess_cfg"))
+    averaged = full_state_from_files(path) if ema else {}  # first: a checkpoint without one fails at once
     state = consolidated_state_dict(path)
-    if ema:
-        state.update(full_state_from_files(path))
+    state.update(averaged)
     state = to_open_clip(state, model)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
