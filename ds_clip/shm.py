@@ -1,4 +1,4 @@
-"""DeepSpeed's CPU shared-memory buffers in /dev/shm: none left behind by a run (issue 22, item 5).
+"""DeepSpeed's CPU shared-memory buffers in /dev/shm: none left behind by a run.
 
 On the CPU accelerator, when every rank runs on one host (the deepspeed launcher sets ``LOCAL_SIZE``),
 DeepSpeed 0.19.8's shm comm op (``deepspeed/ops/csrc/cpu/comm/shm.cpp``, ``shm_initialize``) has each

@@ -1,4 +1,4 @@
-"""ds_clip's step in a user's own loop (README, "Use the step in your own loop"): the public names, the config
+"""ds_clip's step in a user's own loop (docs/api.md, "The step in your own loop"): the public names, the config
 helper, and examples/own_loop.py under the real deepspeed launcher against the one-process oracle.
 
 What the step refuses when the engine or loss is built wrong (a raw DeepSpeed config, a loss of the wrong

@@ -1,4 +1,4 @@
-"""CoCa (issue 20): the caption term's arithmetic, the refusal of an output no objective trains, and a CoCa run
+"""CoCa: the caption term's arithmetic, the refusal of an output no objective trains, and a CoCa run
 through the real trainer (resume equals straight; the export is an open_clip CoCa that generates).
 
 The gradient contract for CoCa (W2k2 = W4k1 on ZeRO 0-3, one step against open_clip's own CoCaLoss on the

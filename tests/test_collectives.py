@@ -1,6 +1,6 @@
 """Every collective ds_clip issues lives in ds_clip/distributed.py and runs on the accelerator's device.
 
-Contract (issue 13): under NCCL a CPU tensor handed to a collective raises "No backend type associated
+Contract: under NCCL a CPU tensor handed to a collective raises "No backend type associated
 with device type cpu"; gloo accepts it, so CPU tests alone never show it. These tests pin
 - the rule: no module of ds_clip but ``distributed.py`` calls a ``torch.distributed`` /
   ``torch.distributed.nn`` / ``deepspeed.comm`` collective or open_clip's gathers (source scan);
@@ -134,7 +134,7 @@ def test_collectives_only_in_distributed_py():
 
 # ---------------------------------------------------------------------------- two gloo ranks, guarded
 
-# The three bugs of issue 13, verbatim from the code before the fix (ds_clip at 78125bb), as modules
+# Three collectives on CPU tensors that NCCL refuses, verbatim from the code before the fix (ds_clip at 78125bb), as modules
 # of ds_clip so the guard treats them as ds_clip's own calls.
 OLD_CODE = {
     "ds_clip._old_distributed": '''

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from ds_clip.distributed import _free_port
 from ds_clip_harness.cases import ADAM, M
 from ds_clip_harness.groups import spawn_group
 from ds_clip_harness.models import CONFIGS
@@ -149,7 +150,7 @@ def test_ds_clip_train_compiled_under_the_deepspeed_launcher(group, models, tmp_
     }
     base = train_argv(_spec(models, 2, True))
     run = ["--logs", str(tmp_path), "--name", "compiled", "--log-every-n-steps", "1", "--report-to", "csv"]
-    launch = ["deepspeed", "--num_gpus", "2", "--module", "ds_clip.train"]
+    launch = ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "ds_clip.train"]
     proc = subprocess.run([*launch, *base, *run, "--max-steps", "2"], env=env, capture_output=True, text=True,
                           timeout=900)  # fmt: skip
     out = proc.stdout + proc.stderr

@@ -80,7 +80,7 @@ def test_deepspeed_launcher_trains_and_resumes(model_dir, tmp_path):
     step, writes the resolved configs and a complete checkpoint; `--resume latest` continues at the
     saved step instead of starting over. (--torchcompile under the launcher: tests/test_compile.py.)
 
-    Nothing left in /dev/shm (issue 22): neither run leaves a DeepSpeed CPU shm buffer of its own, and
+    Nothing left in /dev/shm: neither run leaves a DeepSpeed CPU shm buffer of its own, and
     the first one's start removes a stale buffer (its owner process is dead) and says so, while a buffer
     a live process maps stays."""
     ports: list[int] = []
@@ -113,7 +113,7 @@ def coca_dir(tmp_path_factory) -> str:
 @pytest.mark.slow
 def test_deepspeed_launcher_trains_coca_decoder(coca_dir, tmp_path):
     """`deepspeed --num_gpus 2 --module ds_clip.train --model local-dir:<tiny CoCa> --accum-freq 4` trains both
-    CoCa terms: the run succeeds, logs k*m*W samples per step, and every text_decoder tensor of the exported model moved from its initialisation (issue 20: it never did).
+    CoCa terms: the run succeeds, logs k*m*W samples per step, and every text_decoder tensor of the exported model moved from its initialisation (a decoder left untrained would show here).
     A CoCa with --siglip (an objective whose decoder would not train) is refused with exit 2 at the first step,
     naming --model and the decoder's outputs."""
     from safetensors.torch import load_file
@@ -162,7 +162,8 @@ def test_deepspeed_launcher_trains_distilled_with_accum_freq_4(model_dir, tmp_pa
         "--log-every-n-steps", "1", "--logs", str(tmp_path), "--name", "distill", "--workers", "1",
         "--warmup", "1", "--distill-model", teacher,
     ]  # fmt: skip
-    proc = _run(["deepspeed", "--num_gpus", "2", "--module", "ds_clip.train", *args])
+    port = str(_free_port())  # not the launcher's default 29500, which another job on the machine may hold
+    proc = _run(["deepspeed", "--num_gpus", "2", "--master_port", port, "--module", "ds_clip.train", *args])
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     seen = [int(x) for x in re.findall(r"^step \d+/\d+ \| epoch \d+ \| samples (\d+)", proc.stdout, re.M)]

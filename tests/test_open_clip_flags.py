@@ -1,4 +1,4 @@
-"""An open_clip_train command line runs unchanged (issue 21): every option of open_clip_train's own parser is
+"""An open_clip_train command line runs unchanged: every option of open_clip_train's own parser is
 either accepted by ds-clip-train with open_clip's meaning, or answered with one line (exit 2) that names the
 flag, says why ds_clip has no such thing and what to use instead. Never argparse's bare "unrecognized
 arguments" or "invalid choice" for an open_clip flag or value.
@@ -18,6 +18,7 @@ import pytest
 
 from ds_clip import train
 from ds_clip.config import ANSWERED, TrainSettings, build_parser, flags, parse_settings
+from ds_clip.distributed import _free_port
 from ds_clip.ds_config import resolve_deepspeed, resolve_ds_config
 from ds_clip.presets import PRECISION_MAP, SettingsError
 from tests.test_config import _doc_generator  # scripts/gen_configuration_doc.py also reads open_clip's parser
@@ -367,7 +368,7 @@ def test_open_clip_command_line_trains_under_the_deepspeed_launcher(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{env.get('PATH', '')}"
     proc = subprocess.run(
-        ["deepspeed", "--num_gpus", "2", "--module", "ds_clip.train", *argv],
+        ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "ds_clip.train", *argv],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     out = proc.stdout + proc.stderr

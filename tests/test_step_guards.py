@@ -170,7 +170,7 @@ def _group(model: str, fp16_config: str | None) -> dict:
 
 
 def _own_engine_cases(model_name: str) -> dict:
-    """A user's own engine and loss (README, "Use the step in your own loop"): each case builds a fresh model
+    """A user's own engine and loss (docs/api.md, "The step in your own loop"): each case builds a fresh model
     and engine with deepspeed.initialize from a DeepSpeed config of the user's, runs one cached step, and
     records the error (type: message) or, where the step trains, whether it was skipped."""
     import deepspeed

@@ -1,6 +1,6 @@
 """Augmentation is a pure function of (seed, epoch, sample), with open_clip's own random train transforms.
 
-Contract pinned here (issue 12, part 1): whatever the user's open_clip train transform (the default
+Contract pinned here: whatever the user's open_clip train transform (the default
 RandomResizedCrop, or `aug_cfg` with timm's crop, colour jitter and random erasing; timm's RandAugment,
 which draws from numpy), the loaders call it unchanged through `SeededTransform`, so the tensor a sample
 becomes depends on (--seed, epoch, sample identity) alone: synthetic data by global sample index,

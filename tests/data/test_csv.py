@@ -24,6 +24,7 @@ from PIL import Image
 
 from ds_clip.config import DataSettings, parse_settings
 from ds_clip.data.loader import DataError, build_train_data
+from ds_clip.distributed import _free_port
 from ds_clip.geometry import BatchGeometry
 from ds_clip.train import main as train_main
 from ds_clip_harness.models import E2E_MODEL
@@ -221,7 +222,9 @@ def test_ds_clip_train_on_a_tsv_under_the_deepspeed_launcher_resumes(tmp_path):
     )
     model = f"local-dir:{tmp_path / 'model'}"
     table = write_table(tmp_path / "data", 3 * K * M * W, size=32)
-    launch = ["deepspeed", "--num_gpus", "2", "--module", "ds_clip.train", "--train-data", str(table)]
+    port = str(_free_port())  # not the launcher's default 29500, which another job on the machine may hold
+    launch = ["deepspeed", "--num_gpus", "2", "--master_port", port, "--module", "ds_clip.train"]
+    launch += ["--train-data", str(table)]
     proc = _run([*launch, *_train_args(model, tmp_path, "csv", steps=2)])
     _check_run(proc, tmp_path / "csv", steps=2)
     assert json.loads((tmp_path / "csv" / "settings.json").read_text())["dataset_type"] == "csv"

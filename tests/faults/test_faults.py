@@ -1,4 +1,4 @@
-"""The fault suite (issue 7): the real CLI, real processes, faults injected with DS_CLIP_INJECT_FAULT.
+"""The fault suite: the real CLI, real processes, faults injected with DS_CLIP_INJECT_FAULT.
 
     python -m pytest tests/faults -ra          # about 5 minutes on 2 CPU cores
 
@@ -277,7 +277,7 @@ def reference(model_dir, tmp_path_factory) -> Path:
 def test_one_nonfinite_step_is_skipped_on_every_rank_and_the_run_finishes(model_dir, tmp_path):
     """NaN images on every rank in the 2nd batch (index 1) only: both ranks skip that update together, rank
     0 says so naming the update it was to be, and the run still trains 3 applied updates (4 batches). The
-    counts agree with the applied updates (README, "Skipped steps"): samples_seen = step x N in every log
+    counts agree with the applied updates (docs/exactness.md, "Skipped steps: what counts"): samples_seen = step x N in every log
     row, skipped_steps 1 from then on, and the LR of every row is the schedule's value at that applied
     step (the skip did not advance it)."""
     from ds_clip.schedule import cosine_with_warmup
@@ -330,7 +330,7 @@ def test_consecutive_nonfinite_steps_stop_the_run_and_keep_the_last_good_checkpo
 def test_dead_rank_under_deepspeed_launcher_ends_the_job(model_dir, tmp_path):
     """Rank 1 SIGKILLed at the start of step index 1 (default --dist-timeout): the launcher returns
     non-zero within the bound and leaves no rank process behind, and no DeepSpeed CPU shm buffer in
-    /dev/shm (issue 22: each rank unlinks its own once every rank has mapped them all)."""
+    /dev/shm (each rank unlinks its own once every rank has mapped them all)."""
     name = "fault-dead-launcher"
     port = _free_port()
     ran = _deepspeed(_args(model_dir, tmp_path, name, steps=4), fault="kill@1:1", port=port)
