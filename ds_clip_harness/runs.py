@@ -93,6 +93,9 @@ class RunResult:
     """The sharded weight EMA assembled whole (``WeightEma.full_state``), with ``spec.ema_decay``."""
     ema_reference: dict[str, torch.Tensor] | None = None
     """The same average computed from the whole fp32 masters after every applied step (timm's rule)."""
+    ema_probe: dict[str, Any] | None = None
+    """A probe batch embedded (eval mode) by the live engine, inside ``WeightEma.swapped_in()``, and live again
+    after it: {"inputs": (images, texts), "live", "ema", "live_after": (image, text features)}."""
 
     def gradient_reduction_passes(self) -> float:
         """Gradient bytes reduced in one step / the model's gradient bytes (fp32 models).
@@ -370,6 +373,7 @@ def run_in_group(spec: RunSpec) -> RunResult:
                     reference[n].lerp_(v, weight)
     params = full_params(engine)
     ema_whole = ema.full_state() if ema is not None else None
+    ema_probe = _probe_ema(engine, ema, spec, bundle.model_cfg) if ema is not None else None
     buffers = {
         n: b.detach().float().clone().cpu() for n, b in engine.module.named_buffers() if "running" in n
     }
@@ -385,10 +389,34 @@ def run_in_group(spec: RunSpec) -> RunResult:
         skipped=skipped,
         ema=ema_whole,
         ema_reference=reference,
+        ema_probe=ema_probe,
     )
     engine.destroy()
     del engine
     return result
+
+
+def _probe_ema(engine, ema, spec: RunSpec, model_cfg: dict) -> dict[str, Any]:
+    """Embed one probe batch (the same on every rank) live, with the EMA swapped in, and live again."""
+    from ds_clip.evaluate import engine_forward
+
+    (batch,), _ = step_micro_batches(replace(spec, accum_freq=1), model_cfg, 10_000, 0, 1)
+    forward = engine_forward(engine)
+
+    def embed() -> tuple[torch.Tensor, torch.Tensor]:
+        out = forward(image=batch[0], text=batch[1])
+        if not isinstance(out, dict):
+            out = {"image_features": out[0], "text_features": out[1]}
+        return out["image_features"].float().cpu().clone(), out["text_features"].float().cpu().clone()
+
+    engine.eval()
+    with torch.no_grad():
+        live = embed()
+        with ema.swapped_in():
+            averaged = embed()
+        live_after = embed()
+    engine.train()
+    return {"inputs": batch, "live": live, "ema": averaged, "live_after": live_after}
 
 
 def _op_counts(comms_logger) -> dict[str, dict[int, int]]:

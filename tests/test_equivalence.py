@@ -239,6 +239,32 @@ def test_weight_ema_is_split_invariant_and_the_average_of_the_whole_masters(case
     assert ratio <= 5e-2, f"the two EMAs differ by {ratio:.1%} of how far the average moved"
 
 
+@pytest.mark.parametrize("case", EMA_CASES, ids=lambda c: c.name)
+def test_evaluating_the_weight_ema_computes_with_it_and_gives_the_weights_back(case, runs, models):
+    """Inside ``WeightEma.swapped_in()`` (how the trainer evaluates the EMA: masters saved, the EMA copied in,
+    DeepSpeed's refresh of the working copy) the engine embeds a probe batch as open_clip's model holding the
+    assembled EMA does, on every stage, precision and offload; after it, the live weights embed as before, bit
+    for bit."""
+    from ds_clip.model import build_model
+
+    result = runs[(case.name, 2)]
+    probe = result.ema_probe
+    model = build_model(models[case.model], seed=0).model.eval()
+    state = model.state_dict()
+    state.update({n: v.reshape(state[n].shape) for n, v in result.ema.items()})
+    model.load_state_dict(state)
+    images, texts = probe["inputs"]
+    with torch.no_grad():
+        out = model(image=images, text=texts)
+    expected = (out["image_features"], out["text_features"]) if isinstance(out, dict) else out[:2]
+    tol = {"rtol": 1e-5, "atol": 1e-6} if case.precision == "fp32" else {"rtol": 5e-2, "atol": 5e-2}
+    for got, want in zip(probe["ema"], expected):
+        torch.testing.assert_close(got, want.float(), **tol)
+    assert any(not torch.equal(a, b) for a, b in zip(probe["ema"], probe["live"]))
+    for before, after in zip(probe["live"], probe["live_after"]):
+        assert torch.equal(before, after)
+
+
 @pytest.mark.parametrize("stage", [0, 2])
 def test_batchnorm_running_stats_count_each_sample_once(stage, runs, models):
     """A BatchNorm tower (open_clip ModifiedResNet): after one step of k=2 micro-batches, rank 0's
