@@ -2,16 +2,24 @@
 
 DeepSpeed writes its ``latest`` file from rank 0 before the other ranks finish, and returns
 ``(None, None)`` with a warning when nothing is found. ds_clip saves with ``save_latest=False``,
-waits for every rank, writes a manifest of every file with its size, marks the folder complete,
-then replaces ``latest_complete`` atomically; only then are older checkpoints pruned
+waits for every rank, writes a manifest of every file with its size and checksum, marks the folder
+complete, then replaces ``latest_complete`` atomically; only then are older checkpoints pruned
 (``--keep-checkpoints``). A resume that cannot find a complete checkpoint, finds a file of the
 manifest missing or cut short, or finds another model is an error, never a silent fresh start.
+
+Checksums (xxh3-128, about 10 GiB/s on one core): each rank hashes the files it wrote right after
+DeepSpeed's checkpoint engine closes them (still in the page cache), so the work is spread over the ranks
+and no file is read from disk again. ``verify`` checks them on resume (each rank a share of the files):
+a byte flipped after the save (a bad copy, a disk error) is refused naming the file, where torch's zip
+reader would load it silently. A save that fails (a full disk, no permission, a quota) is reported in one
+line by ``SaveError``, its partial folder removed and the last complete checkpoint kept.
 
 A checkpoint folder ``checkpoints/step_XXXXXXXX/`` holds DeepSpeed's files, ``rank{r}.json`` per rank
 (data position and RNG states), ``ds_clip_meta.json`` (step, epoch, samples, run shape, model config
 and parameter shapes, resolved settings), ``manifest.json`` and the ``COMPLETE`` marker.
 
-Resume on another world size (or ZeRO stage) keeps the global batch N = W*k*m (change --accum-freq):
+Resume on another world size (or ZeRO stage) keeps the global batch N = W*k*m (--global-batch-size re-derives
+k; with --accum-freq, change it):
 ZeRO-0 fp32 keeps its whole optimizer state in one file and loads natively; ZeRO-1/2 go through
 DeepSpeed's universal checkpoint (``deepspeed.checkpoint.ds_to_universal``, written next to the
 new run's checkpoints); ZeRO-3 takes the same universal per-parameter files, written into this
@@ -34,8 +42,8 @@ import torch
 
 from ds_clip import faults
 from ds_clip.config import CheckpointSettings
+from ds_clip.distributed import all_gather_object, broadcast_object, rank, world_size
 from ds_clip.distributed import barrier as _barrier
-from ds_clip.distributed import broadcast_object, rank, world_size
 from ds_clip.errors import RunError, UserError
 from ds_clip.geometry import BatchGeometry
 
@@ -51,6 +59,15 @@ UNIVERSAL_PREFIX = "universal_from_"
 
 class CheckpointError(RunError):
     """A checkpoint that is missing, partial, unreadable or from an incompatible run."""
+
+
+class CorruptCheckpointError(UserError):
+    """A checkpoint file whose bytes differ from the checksum the manifest recorded at save time."""
+
+
+class SaveError(RunError):
+    """A checkpoint that could not be written (no space, no permission, a quota): its partial folder is gone,
+    the last complete checkpoint stays."""
 
 
 class ResumeSettingsError(UserError):
@@ -184,12 +201,137 @@ def _write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def _manifest(path: Path) -> dict[str, int]:
-    return {
-        str(f.relative_to(path)): f.stat().st_size
+CHECKSUM = "xxh3_128"
+"""The manifest's checksum: xxhash's 128-bit XXH3, ~10x faster than sha256 here (docs/remote.md)."""
+_CHUNK = 16 << 20
+
+
+def file_checksum(path: str | Path) -> str:
+    """The CHECKSUM of a file's bytes, read in 16 MiB chunks into one reused buffer."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _listing(path: Path) -> list[str]:
+    return [
+        str(f.relative_to(path))
         for f in sorted(path.rglob("*"))
         if f.is_file() and f.name not in (MANIFEST, MARKER)
+    ]
+
+
+def _manifest(path: Path, sums: dict[str, list] | None = None) -> dict[str, Any]:
+    """{"checksum": CHECKSUM, "files": {name: {"bytes": size, CHECKSUM: hex}}}; ``sums`` holds what the
+    writers hashed ({name: [size, hex]}); a file no writer hashed (the small ones) is hashed here. ``sums``
+    None: sizes only (the benchmark's baseline)."""
+    files: dict[str, dict[str, Any]] = {}
+    for name in _listing(path):
+        size = (path / name).stat().st_size
+        entry: dict[str, Any] = {"bytes": size}
+        if sums is not None:
+            known = sums.get(name)
+            entry[CHECKSUM] = known[1] if known and known[0] == size else file_checksum(path / name)
+        files[name] = entry
+    return {"checksum": CHECKSUM if sums is not None else None, "files": files}
+
+
+def manifest_files(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{name: {"bytes": size[, CHECKSUM: hex]}} of a manifest; older manifests were {name: size}."""
+    if isinstance(manifest.get("files"), dict):
+        return manifest["files"]
+    return {name: {"bytes": size} for name, size in manifest.items()}
+
+
+class _SaveGuard:
+    """Wraps the engine's checkpoint engine for one save: hashes each file right after DeepSpeed writes it
+    and turns a failed write into a recorded error. DeepSpeed's save_checkpoint has barriers between its
+    writes; an exception escaping on one rank would leave the others waiting in them, so the failure is
+    recorded, the rank goes on through the same barriers, and all ranks agree on it afterwards."""
+
+    def __init__(self, engine, folder: Path, checksums: bool) -> None:
+        self.engine, self.folder, self.checksums = engine, folder, checksums
+        self.sums: dict[str, list] = {}
+        self.error: str | None = None
+
+    def __enter__(self) -> _SaveGuard:
+        ce, engine = self.engine.checkpoint_engine, self.engine
+        self._save, self._copy = ce.save, getattr(engine, "_copy_recovery_script", None)
+
+        def save(state_dict, path):
+            if self.error is None:
+                self.run(lambda: self._save(state_dict, path), path)
+                if self.error is None and self.checksums:
+                    self.record(Path(path))
+
+        ce.save = save
+        if self._copy is not None:
+            engine._copy_recovery_script = lambda save_path: self.run(
+                lambda: self._copy(save_path), save_path
+            )
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.engine.checkpoint_engine.save = self._save
+        if self._copy is not None:
+            self.engine._copy_recovery_script = self._copy
+
+    def run(self, write, path) -> None:
+        try:
+            write()
+        except (OSError, RuntimeError) as exc:  # torch reports a failed write as RuntimeError
+            if self.error is None:
+                self.error = _why_write_failed(Path(path), exc)
+
+    def record(self, path: Path) -> None:
+        try:
+            self.sums[str(path.relative_to(self.folder))] = [path.stat().st_size, file_checksum(path)]
+        except (OSError, ValueError) as exc:
+            self.error = self.error or _why_write_failed(path, exc)
+
+
+def _why_write_failed(path: Path, exc: BaseException) -> str:
+    """Why a write failed, in words: the OSError's errno when there is one; torch's zip writer hides it
+    ("unexpected pos ..."), so then a small probe write next to the file asks the file system again."""
+    import errno
+
+    reasons = {
+        errno.ENOSPC: "no space left on the device",
+        errno.EDQUOT: "disk quota exceeded",
+        errno.EACCES: "no permission to write",
+        errno.EPERM: "no permission to write",
+        errno.EROFS: "read-only file system",
+        errno.EFBIG: "file too large for the file system",
     }
+    code = exc.errno if isinstance(exc, OSError) else None
+    if code not in reasons:
+        probe = path.parent / f".ds_clip_probe.{os.getpid()}"
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as probe_exc:
+            code = probe_exc.errno
+        finally:
+            probe.unlink(missing_ok=True)
+    if code in reasons:
+        reason = reasons[code]
+    else:
+        lines = str(exc).strip().splitlines()
+        reason = f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
+    try:
+        free = shutil.disk_usage(path.parent if path.parent.exists() else path.parent.parent).free
+        reason += f" ({free / 2**20:.1f} MiB free)"
+    except OSError:
+        pass
+    return f"{path.name}: {reason}"
 
 
 def save(
@@ -201,15 +343,19 @@ def save(
     *,
     meta: dict[str, Any] | None = None,
     keep: int | None = None,
-    write_extra: Callable[[Path], None] | None = None,
+    checksums: bool = True,
+    write_extra: Callable[[Path], list[Path]] | None = None,
 ) -> Path:
-    """Every rank calls this. Returns the checkpoint folder.
+    """Every rank calls this. Returns the checkpoint folder; raises SaveError on every rank when any rank
+    could not write its part (the partial folder is removed, ``latest_complete`` still names the last
+    complete checkpoint).
 
     ``write_extra(path)``: writes this rank's files of state DeepSpeed does not hold (the weight EMA) into the
-    folder before it is listed in the manifest and marked complete.
+    folder before it is listed in the manifest and marked complete; returns them (this rank hashes them).
 
     ``meta`` (JSON-able, rank 0's is written) should hold epoch, samples_seen, world_size, accum_freq,
     micro_batch_size, model, model_cfg; the engine's ZeRO stage and parameter shapes are added here.
+    ``checksums`` False writes sizes only (for measuring what the checksums cost).
     """
     ckpt_root = run_dir / "checkpoints"
     tag = tag_for(step)
@@ -218,11 +364,16 @@ def save(
         (path / MARKER).unlink()  # rewriting a step (a resumed run): not complete until we say so
     _barrier()
     client = {"step": step, "settings": settings, **(meta or {})}
-    engine.save_checkpoint(str(ckpt_root), tag=tag, client_state=client, save_latest=False)
-    # Each rank's data position (webdataset positions differ per rank) and RNG states.
-    _write_json_atomic(path / f"rank{_rank()}.json", {"data": data_state, "rng": rng_state()})
-    if write_extra is not None:
-        write_extra(path)
+    with _SaveGuard(engine, path, checksums) as guard:
+        engine.save_checkpoint(str(ckpt_root), tag=tag, client_state=client, save_latest=False)
+        # Each rank's data position (webdataset positions differ per rank) and RNG states.
+        rank_file = path / f"rank{_rank()}.json"
+        guard.run(lambda: _write_json_atomic(rank_file, {"data": data_state, "rng": rng_state()}), rank_file)
+        if write_extra is not None and guard.error is None:
+            extra: list[Path] = []
+            guard.run(lambda: extra.extend(write_extra(path)), path)
+            for f in extra if guard.error is None and checksums else []:
+                guard.record(f)
     full_meta = {
         "step": step,
         **(meta or {}),
@@ -232,17 +383,34 @@ def save(
         "settings": settings,
     }
     faults.maybe_kill("kill-in-save", step, _rank())
-    # Sync point: every rank's files are closed before rank 0 lists them and marks the folder complete.
-    _barrier()
-    if _rank() == 0:
-        _write_json_atomic(path / META, full_meta)
-        _write_json_atomic(path / MANIFEST, _manifest(path))
-        (path / MARKER).write_text(str(step))
-        tmp = ckpt_root / f".{POINTER}.tmp"
-        tmp.write_text(tag)
-        os.replace(tmp, ckpt_root / POINTER)
-        if keep is not None:
-            prune(ckpt_root, keep)
+    # Sync point: every rank's files are closed; rank 0 learns their checksums (and any rank's failure).
+    written = all_gather_object({"sums": guard.sums, "error": guard.error})
+    error = next((f"rank {r}: {w['error']}" for r, w in enumerate(written) if w["error"]), None)
+    if error is None and _rank() == 0:
+        sums = {name: v for w in written for name, v in w["sums"].items()} if checksums else None
+        try:
+            _write_json_atomic(path / META, full_meta)
+            _write_json_atomic(path / MANIFEST, _manifest(path, sums))
+            (path / MARKER).write_text(str(step))
+            tmp = ckpt_root / f".{POINTER}.tmp"
+            tmp.write_text(tag)
+            os.replace(tmp, ckpt_root / POINTER)
+        except OSError as exc:
+            error = f"rank 0: {_why_write_failed(path / MANIFEST, exc)}"
+    error = broadcast_object(error, src=0)
+    if error is not None:
+        if _rank() == 0:
+            (path / MARKER).unlink(missing_ok=True)
+            shutil.rmtree(path, ignore_errors=True)
+            (ckpt_root / f".{POINTER}.tmp").unlink(missing_ok=True)
+        _barrier()
+        last = (ckpt_root / POINTER).read_text().strip() if (ckpt_root / POINTER).exists() else None
+        raise SaveError(
+            f"checkpoint {tag} could not be saved to {path}: {error}; removed the partial folder, "
+            + (f"the last complete checkpoint {last} is kept" if last else "no earlier complete checkpoint")
+        )
+    if _rank() == 0 and keep is not None:
+        prune(ckpt_root, keep)
     _barrier()
     return path
 
@@ -344,8 +512,8 @@ def resolve(run_dir: Path | None, resume: str) -> Path:
     manifest_file = path / MANIFEST
     if not manifest_file.exists() or not (path / META).exists():
         raise CheckpointError(f"{flag}: {path} has no {MANIFEST}/{META}: not a ds_clip checkpoint")
-    for name, size in json.loads(manifest_file.read_text()).items():
-        f = path / name
+    for name, entry in manifest_files(json.loads(manifest_file.read_text())).items():
+        f, size = path / name, entry["bytes"]
         if not f.is_file():
             raise CheckpointError(f"{flag}: {path} is partial: {name} is missing; pick another checkpoint")
         if f.stat().st_size != size:
@@ -353,6 +521,82 @@ def resolve(run_dir: Path | None, resume: str) -> Path:
                 f"{flag}: {path} is partial: {name} has {f.stat().st_size} bytes, the manifest says {size}"
             )
     return path
+
+
+def first_mismatch(path: Path, share: tuple[int, int] = (0, 1)) -> tuple[str, str] | None:
+    """The first file of ``path``'s manifest (of this share: file i when i mod W == r for share (r, W))
+    whose checksum differs from the manifest's, as (name, "xxh3_128 GOT, saved WANT"); None if all match.
+    A manifest without checksums (written before they existed) has nothing to check."""
+    manifest = json.loads((path / MANIFEST).read_text())
+    algorithm = manifest.get("checksum") if isinstance(manifest.get("files"), dict) else None
+    if algorithm is None:
+        return None
+    if algorithm != CHECKSUM:
+        return MANIFEST, f"checksum {algorithm!r}, this ds_clip knows {CHECKSUM!r}"
+    r, w = share
+    for i, (name, entry) in enumerate(sorted(manifest["files"].items())):
+        if i % w != r:
+            continue
+        got = file_checksum(path / name) if (path / name).is_file() else "missing"
+        if got != entry[CHECKSUM]:
+            return name, f"{CHECKSUM} {got}, saved {entry[CHECKSUM]}"
+    return None
+
+
+def is_intact(path: Path) -> bool:
+    """Complete (marker, every file of the manifest with its size) and every checksum matching (one process)."""
+    try:
+        resolve(None, str(path))
+    except CheckpointError:
+        return False
+    return first_mismatch(path) is None
+
+
+def newest_intact_before(path: Path) -> Path | None:
+    """The newest complete checkpoint older than ``path`` in the same folder whose checksums all match."""
+    step = _step_of(path)
+    if step is None or not path.parent.is_dir():
+        return None
+    older = sorted(
+        (
+            p
+            for p in path.parent.iterdir()
+            if p.is_dir() and (_step_of(p) or -1) < step and (p / MARKER).exists()
+        ),
+        key=_step_of,
+        reverse=True,
+    )
+    return next((p for p in older if is_intact(p)), None)
+
+
+def verify(path: Path, flag: str) -> None:
+    """Every rank calls this: each checks the checksums of its share of ``path``'s files, and all agree.
+    A mismatch raises CorruptCheckpointError on every rank naming the file and, where there is one, the
+    newest older checkpoint that is intact (rank 0 looks for it)."""
+    found = all_gather_object(first_mismatch(path, (_rank(), _world())))
+    bad = next((b for b in found if b), None)
+    if bad is None:
+        return
+    older = broadcast_object(newest_intact_before(path) if _rank() == 0 else None, src=0)
+    raise CorruptCheckpointError(
+        f"{flag}: {path / bad[0]} does not match its checksum in {MANIFEST} ({bad[1]}): the file changed "
+        "after it was saved (a bad copy, a disk or network error); "
+        + (
+            f"the newest intact checkpoint is {older}: resume from it with --resume {older}"
+            if older is not None
+            else "no older complete checkpoint here is intact"
+        )
+    )
+
+
+def verify_resume(run_dir: Path, resume: str) -> None:
+    """Every rank, before the engine is built: the checkpoint ``--resume`` names, checked against its
+    checksums. One that cannot be found is left to ``Checkpointer.resume`` to report."""
+    try:
+        path = resolve(run_dir, resume)
+    except CheckpointError:
+        return
+    verify(path, f"--resume {resume}")
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -384,10 +628,10 @@ def check_compatible(
         )
     saved = BatchGeometry(meta["world_size"], meta["accum_freq"], meta["micro_batch_size"])
     if saved.global_batch != global_batch:
-        hint = ""
-        try:  # the --accum-freq that keeps the saved N on this run's ranks with the saved micro-batch
+        hint = f": use --global-batch-size {saved.global_batch}"
+        try:  # or the --accum-freq that keeps the saved N on this run's ranks with the saved micro-batch
             keep = BatchGeometry.for_global_batch(world_size, saved.micro_batch_size, saved.global_batch)
-            hint = f": use --batch-size {keep.micro_batch_size} --accum-freq {keep.accum_freq}"
+            hint += f" (or --batch-size {keep.micro_batch_size} --accum-freq {keep.accum_freq})"
         except ValueError:
             pass
         raise CheckpointError(
@@ -635,7 +879,7 @@ class CheckpointPart(Protocol):
     """State beside DeepSpeed's that a checkpoint carries (the weight EMA): written by every rank into the
     checkpoint folder, read back on resume."""
 
-    def save_to(self, path: Path) -> None: ...
+    def save_to(self, path: Path) -> list[Path]: ...
 
     def load_from(self, path: Path, *, is_main: bool) -> bool: ...
 
@@ -663,10 +907,17 @@ class Checkpointer:
         else each checkpoint records (model, precision, ...)."""
         self.engine, self.run_dir, self.data = engine, Path(run_dir), data
         self.settings, self.geometry = settings, geometry
-        self.meta = {"accum_freq": geometry.accum_freq, "micro_batch_size": geometry.micro_batch_size, **meta}
+        # N is recorded as such: a resume on another world size re-derives k from it (--global-batch-size).
+        self.meta = {
+            "accum_freq": geometry.accum_freq,
+            "micro_batch_size": geometry.micro_batch_size,
+            "global_batch_size": geometry.global_batch,
+            **meta,
+        }
         self.every_n_steps, self.every_n_epochs = section.save_every_n_steps, section.save_frequency
         self.keep = 1 if section.delete_previous_checkpoint else section.keep_checkpoints
         self.most_recent, self.steps_per_epoch = section.save_most_recent, steps_per_epoch
+        self.on_failure = section.on_save_failure
         self.parts = list(parts)
         self.resumed_from: Path | None = None
         """The checkpoint folder ``resume`` loaded (None: a fresh start)."""
@@ -674,11 +925,24 @@ class Checkpointer:
         """The last checkpoint saved only for --save-most-recent: deleted once a newer one is complete."""
 
     def save(self, step: int, *, recent_only: bool = False) -> Path:
+        """Save now (every rank). A failed save raises SaveError naming the checkpoint, the path and why."""
         meta = {**self.meta, "epoch": self.data.epoch, "samples_seen": step * self.geometry.global_batch}
-        path = save(
-            self.engine, self.run_dir, step, self.data.state_dict(), self.settings, meta=meta, keep=self.keep,
-            write_extra=self._write_parts if self.parts else None,
-        )  # fmt: skip
+        try:
+            path = save(
+                self.engine,
+                self.run_dir,
+                step,
+                self.data.state_dict(),
+                self.settings,
+                meta=meta,
+                keep=self.keep,
+                write_extra=self._write_parts if self.parts else None,
+            )
+        except SaveError as exc:
+            raise SaveError(
+                f"{exc}. Free space (or fix the permission) and relaunch with --resume latest; "
+                "--on-save-failure continue keeps training and tries again at the next save"
+            ) from None
         previous, self._recent_only = self._recent_only, (path if recent_only else None)
         if previous is not None and previous != path and _rank() == 0 and previous.exists():
             # The marker goes first (as in prune): a deletion cut short leaves a folder that reads as partial.
@@ -689,9 +953,8 @@ class Checkpointer:
             )
         return path
 
-    def _write_parts(self, path: Path) -> None:
-        for part in self.parts:
-            part.save_to(path)
+    def _write_parts(self, path: Path) -> list[Path]:
+        return [f for part in self.parts for f in part.save_to(path)]
 
     def maybe_save(self, step: int, total_steps: int) -> None:
         """Save on the step or epoch cadence, or at an epoch's end for --save-most-recent; the last step is
@@ -699,16 +962,36 @@ class Checkpointer:
         if step >= total_steps:
             return
         epochs = epochs_done_at(step, self.steps_per_epoch)
-        if on_cadence(step, self.every_n_steps, epochs, self.every_n_epochs):
-            self.save(step)
-        elif epochs is not None and self.most_recent:
-            self.save(step, recent_only=True)
+        try:
+            if on_cadence(step, self.every_n_steps, epochs, self.every_n_epochs):
+                self.save(step)
+            elif epochs is not None and self.most_recent:
+                self.save(step, recent_only=True)
+        except SaveError as exc:
+            if self.on_failure != "continue":
+                raise
+            if _rank() == 0:
+                logger.warning(
+                    "%s; training goes on (--on-save-failure continue): the next save tries again",
+                    str(exc).split(". Free space", 1)[0],
+                )
 
     def resume(self, resume: str, *, shapes: dict[str, list[int]], is_main: bool) -> int:
-        """Load ``--resume`` into the engine and the data position; returns the step to continue from."""
+        """Load ``--resume`` into the engine and the data position; returns the step to continue from.
+
+        ``--resume latest`` before the run has a complete checkpoint starts from step 0 and says so in one line
+        (open_clip's behaviour): the same command then serves the first start and every restart (an elastic
+        agent's, a re-queued job's). A pointer to a checkpoint that is missing or partial stays an error."""
+        root = self.run_dir / "checkpoints"
         if is_main:
-            for p in remove_partial(self.run_dir / "checkpoints"):
+            for p in remove_partial(root):
                 logger.warning("removed partial checkpoint %s (a save that was cut short)", p)
+        # Rank 0's view decides for every rank (a collective): all start fresh or all load.
+        fresh = broadcast_object(resume == "latest" and not (root / POINTER).exists())
+        if fresh:
+            if is_main:
+                logger.info("--resume latest: no complete checkpoint in %s yet; starting from scratch", root)
+            return 0
         state = load(
             self.engine,
             self.run_dir,

@@ -94,11 +94,41 @@ def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
         _set_local_device()
         if _local_rank() == 0:
             shm.sweep_stale()  # buffers of earlier runs whose ranks are gone (SIGKILLed, say)
-        deepspeed.init_distributed(
+        _init_after_elastic_restart(timeout_s)
+        deepspeed.init_distributed(  # wraps the group started above, if any
             auto_mpi_discovery=launched_by_mpi, timeout=timedelta(seconds=timeout_s), verbose=False
         )
         _release_shm_buffers()
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), report)
+
+
+def _init_after_elastic_restart(timeout_s: float) -> None:
+    """Under torchrun's elastic agent, after a restart: start the default group on a store keyed by the attempt.
+
+    The agent serves the workers' store from one TCPStore server it keeps across rendezvous rounds, and the
+    workers' client (torch's env:// rendezvous with TORCHELASTIC_USE_AGENT_STORE) adds no per-attempt prefix.
+    Keys of the dead attempt stay: a gloo group created after a restart (DeepSpeed's clone of the world group)
+    reads a dead rank's address under its key and waits forever (seen with torch 2.14: both survivors stuck in
+    gloo's waitUntilConnected). A PrefixStore per TORCHELASTIC_RESTART_COUNT gives each attempt its own keys.
+    The first attempt keeps torch's own path."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt in ("", "0"):
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    timeout = timedelta(seconds=timeout_s)
+    world = int(os.environ["WORLD_SIZE"])
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+    )
+    store = dist.PrefixStore(f"ds_clip/elastic_attempt_{attempt}", client)
+    dist.init_process_group(
+        get_accelerator().communication_backend_name(),
+        store=store,
+        rank=int(os.environ["RANK"]),
+        world_size=world,
+        timeout=timeout,
+    )
 
 
 def _release_shm_buffers() -> None:

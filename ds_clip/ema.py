@@ -293,8 +293,8 @@ class WeightEma:
 
     # -------------------------------------------------------------------------------------- checkpoints
 
-    def save_to(self, path: Path) -> None:
-        """Write this rank's ``ema_rank{r}.pt`` into checkpoint folder ``path`` (every rank)."""
+    def save_to(self, path: Path) -> list[Path]:
+        """Write this rank's ``ema_rank{r}.pt`` into checkpoint folder ``path`` (every rank); returns it."""
         state = {
             "format": FORMAT,
             "kind": self.where.kind,
@@ -313,7 +313,9 @@ class WeightEma:
                 f.unlink(missing_ok=True)
         tmp = path / f".{FILE_PREFIX}{distributed.rank()}.pt.tmp"
         torch.save(state, tmp)
-        tmp.replace(path / f"{FILE_PREFIX}{distributed.rank()}.pt")
+        final = path / f"{FILE_PREFIX}{distributed.rank()}.pt"
+        tmp.replace(final)
+        return [final]
 
     def load_from(self, path: Path, *, is_main: bool) -> bool:
         """Load the average saved in checkpoint folder ``path`` (every rank). A checkpoint without one: the

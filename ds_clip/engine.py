@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ds_clip.caption import CaptionLoss, caption_loss_for
-from ds_clip.config import LossSettings, ModelSettings, OptimSettings, TrainSettings
+from ds_clip.config import LossSettings, ModelSettings, OptimSettings, SettingsError, TrainSettings
 from ds_clip.distributed import accelerator_name
 from ds_clip.ds_config import ResolvedDeepSpeed, resolve_deepspeed
-from ds_clip.geometry import BatchGeometry
+from ds_clip.geometry import BatchGeometry, GeometryError
 from ds_clip.loss import ContrastiveLoss, LossSpec, resolve_impl
 from ds_clip.model import ModelBundle, Teacher, build_model, prepare_for_deepspeed
 from ds_clip.optim import format_groups, param_groups_for
@@ -46,8 +46,20 @@ def resolve_run(s: TrainSettings, world_size: int) -> tuple[BatchGeometry, Resol
     """What a run of ``s`` on ``world_size`` ranks of this machine derives once, at start, and hands down: its
     batch geometry (W, k, m) and its DeepSpeed side (the JSON for W, the preset and why, what this machine's
     accelerator cannot run)."""
-    geometry = BatchGeometry(world_size, s.optim.accum_freq, s.optim.batch_size)
-    return geometry, resolve_deepspeed(s, world_size, accelerator=accelerator_name())
+    return resolve_geometry(s, world_size), resolve_deepspeed(s, world_size, accelerator=accelerator_name())
+
+
+def resolve_geometry(s: TrainSettings, world_size: int) -> BatchGeometry:
+    """W, k, m of a run of ``s`` on ``world_size`` ranks: --accum-freq k, or k = N / (W*m) from
+    --global-batch-size N. SettingsError (exit 2, before any engine) when W*m does not divide N or a given k
+    disagrees with it; the message names the world sizes and micro-batches that would divide N."""
+    o = s.optim
+    try:
+        return BatchGeometry.derive(
+            world_size, o.batch_size, accum_freq=o.accum_freq, global_batch=o.global_batch_size
+        )
+    except GeometryError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def build_model_bundle(m: ModelSettings, *, seed: int) -> ModelBundle:

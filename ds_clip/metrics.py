@@ -65,14 +65,7 @@ class MetricsWriter:
             self.csv_file = path.open("a", newline="")
             self.csv_new = new
         if "wandb" in report_to:
-            try:
-                import wandb
-            except ImportError as exc:
-                raise RuntimeError("--report-to wandb needs the wandb package: pip install wandb") from exc
-            self.wandb = wandb.init(
-                project=config.get("wandb_project_name", "ds_clip"), name=run_dir.name, config=config,
-                dir=str(run_dir), notes=config.get("wandb_notes") or None,
-            )  # fmt: skip
+            self.wandb = start_wandb(run_dir, config)
         self.bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
@@ -105,7 +98,16 @@ class MetricsWriter:
             self.csv.writerow(m)
             self.csv_file.flush()
         if self.wandb is not None:
-            self.wandb.log(scalars, step=m["step"])
+            # open_clip's names (train/loss, train/scale, train/samples_per_second, ...) and its "step" key.
+            self.wandb.log(
+                {**{wandb_name(k): v for k, v in scalars.items()}, "step": m["step"]}, step=m["step"]
+            )
+
+    def scalar_sink(self):
+        """What the evaluator writes its val/* scalars to: TensorBoard, and W&B under open_clip's names."""
+        if self.wandb is None:
+            return self.tb
+        return _ScalarFanOut(self.tb, self.wandb)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -116,6 +118,80 @@ class MetricsWriter:
             self.csv_file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+# Our log row's keys -> open_clip_train's W&B names (open_clip_train/train.py); others keep their key.
+WANDB_TRAIN_NAMES = {
+    "loss": "loss",
+    "logit_scale": "scale",
+    "lr": "lr",
+    "samples_per_s": "samples_per_second",
+    "samples_per_s_per_rank": "samples_per_second_per_gpu",
+    "data_time_s": "data_time",
+    "step_time_s": "batch_time",
+}
+# The evaluator's metric names -> open_clip's (its val/* and zero-shot names); others keep their key.
+WANDB_VAL_NAMES = {
+    "val_loss": "clip_val_loss",
+    "val_samples": "num_samples",
+    **{
+        f"{d}_R@{k}": f"{name}_R@{k}"
+        for d, name in (("i2t", "image_to_text"), ("t2i", "text_to_image"))
+        for k in (1, 5, 10)
+    },  # fmt: skip
+    "i2t_median_rank": "image_to_text_median_rank",
+    "t2i_median_rank": "text_to_image_median_rank",
+}
+
+
+def wandb_name(key: str) -> str:
+    """open_clip_train's W&B name of one of our train row keys: train/<its name>."""
+    return f"train/{WANDB_TRAIN_NAMES.get(key, key)}"
+
+
+def wandb_run_id(name: str) -> str:
+    """The W&B run id of a run folder: its name, as open_clip does (id=args.name), in the characters W&B
+    allows, so that a resumed run (--resume) logs into the same W&B run."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", name)[:128]
+
+
+def start_wandb(run_dir: Path, config: dict):
+    """wandb.init as open_clip_train calls it: project, name and id from the run name, notes, the settings as
+    config, resume="allow" when the run resumes. WANDB_MODE=offline (the tests) keeps it on disk under
+    run_dir/wandb; `wandb sync` uploads it later."""
+    try:
+        import wandb
+    except ImportError as exc:
+        raise RuntimeError("--report-to wandb needs the wandb package: pip install 'ds_clip[wandb]'") from exc
+    return wandb.init(
+        project=config.get("wandb_project_name") or "ds_clip",
+        name=run_dir.name,
+        id=wandb_run_id(run_dir.name),
+        notes=config.get("wandb_notes") or None,
+        tags=[],
+        resume="allow" if config.get("resume") else None,
+        config=config,
+        dir=str(run_dir),
+    )
+
+
+class _ScalarFanOut:
+    """add_scalar/flush to TensorBoard (when on) and W&B (val/<open_clip's name>), for the evaluator."""
+
+    def __init__(self, tb, run) -> None:
+        self.tb, self.run = tb, run
+
+    def add_scalar(self, name: str, value: float, step: int) -> None:
+        if self.tb is not None:
+            self.tb.add_scalar(name, value, step)
+        section, _, key = name.partition("/")
+        self.run.log({f"{section}/{WANDB_VAL_NAMES.get(key, key)}": value, "step": step}, step=step)
+
+    def flush(self) -> None:
+        if self.tb is not None:
+            self.tb.flush()
 
 
 class StepMeter:

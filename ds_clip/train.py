@@ -6,6 +6,10 @@ mpirun -np 2 --bind-to none python -m ds_clip.train --accum-freq 4
 srun python -m ds_clip.train ...          (see scripts/launch_slurm.sbatch)
 ds-clip-train --max-steps 10              (one process, no launcher)
 ds-clip-train --dry-run ...               (check the flags, print the settings and the DeepSpeed JSON, exit)
+WORLD_SIZE=8 ds-clip-train --dry-run --recipe datacomp-medium   (the k that N = 4096 derives on 8 ranks)
+torchrun --nnodes 1:2 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint HOST:PORT --nproc_per_node 4 \
+    -m ds_clip.train --global-batch-size 4096 --name RUN --resume latest --save-every-n-steps 500
+                                          (elastic: the same command for the first start and every restart)
 """
 
 from __future__ import annotations
@@ -61,19 +65,34 @@ def dry_run(s: TrainSettings) -> None:
     and the JSON are printed as the run folder would get them. No process group, no model, no files."""
     from ds_clip.distributed import accelerator_name  # (deepspeed's accelerator, not a process group)
     from ds_clip.ds_config import resolve_deepspeed
+    from ds_clip.engine import resolve_geometry
     from ds_clip.presets import precision_mapping_text
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    geometry = resolve_geometry(s, world_size)
     ds = resolve_deepspeed(s, world_size, accelerator=accelerator_name())
     ds.refuse_blocked()
     print(f"# settings ({s.logging.logs}/{s.logging.name}/settings.json)")
     print(json.dumps(settings_to_dict(s), indent=2))
+    print(f"# batch: {geometry.describe()}")
+    if s.optim.global_batch_size is not None:
+        print(f"# k on other world sizes (--batch-size {geometry.micro_batch_size}): {_k_table(s)}")
     print(f"# --precision: DeepSpeed {s.dist.precision} ({precision_mapping_text()})")
     print(
         f"# DeepSpeed JSON for world size {world_size} on the {ds.accelerator} accelerator (ds_config.json)"
     )
     print(ds.json_text)
     print("# dry run: the flags are good; nothing was started", flush=True)
+
+
+def _k_table(s: TrainSettings) -> str:
+    """k = N / (W*m) for the world sizes up to 1024 that divide N with this m (a restart on fewer or more ranks
+    re-derives it)."""
+    from ds_clip.geometry import world_sizes_for
+
+    n, m = s.optim.global_batch_size or 0, s.optim.batch_size
+    shown = [w for w in world_sizes_for(n, m) if w <= 1024]
+    return ", ".join(f"W={w}: k={n // (w * m)}" for w in shown) or "none"
 
 
 def _looks_like_lost_peer(message: str) -> bool:

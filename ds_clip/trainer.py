@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ds_clip import checkpoint, distributed, ema, evaluate, faults
+from ds_clip import checkpoint, distributed, ema, evaluate, faults, remote
 from ds_clip.checkpoint import Checkpointer
 from ds_clip.clamp import clamp_logit_scale
 from ds_clip.config import (
@@ -119,6 +120,11 @@ class Trainer:
         self.run_dir = run_dir = self._open_run_folder()
         _configure_logging(s.logging, info)
         self._log_precision()
+        # Before the model and the engine: an unusable remote, or a checkpoint whose bytes changed since its
+        # save, is one line (exit 2); a newer checkpoint on the remote is pulled for --resume latest.
+        self.remote_sync = remote.start_sync(s.checkpoint, run_dir)
+        if s.checkpoint.resume:
+            checkpoint.verify_resume(run_dir, s.checkpoint.resume)
 
         self.bundle = bundle = build_model_bundle(s.model, seed=s.data.seed)
         check_tokenizer_fits(bundle.model, bundle.tokenizer, s.model.model)  # the data is tokenized by it
@@ -187,12 +193,25 @@ class Trainer:
             return
         if info.hosts is not None:
             logger.info("%s", info.hosts.describe())
+        derived = (
+            f" (k derived from --global-batch-size {self.s.optim.global_batch_size} on {info.world_size} ranks)"
+            if self.s.optim.global_batch_size is not None
+            else ""
+        )
         logger.info(
-            "%s; %d steps per epoch, %d steps in total; run folder %s",
-            self.geometry.describe(), self.data.steps_per_epoch, self.total_steps, self.run_dir,
+            "%s%s; %d steps per epoch, %d steps in total; run folder %s",
+            self.geometry.describe(), derived, self.data.steps_per_epoch, self.total_steps, self.run_dir,
         )  # fmt: skip
         if self.ema is not None:
             logger.info("%s", self.ema.describe())
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if restarts:
+            # torchrun's elastic agent restarted the workers (a host lost or added): say what this start is.
+            logger.info(
+                "elastic restart %d: world size %d, continuing from step %d (the work since the last complete "
+                "checkpoint is trained again)",
+                restarts, info.world_size, self.start_step,
+            )  # fmt: skip
 
     def _build_evaluator(self, image_px: int) -> Evaluator:
         ev, info = self.s.eval, self.info
@@ -267,7 +286,7 @@ class Trainer:
             if info.is_main
             else None
         )
-        tb = writer.tb if writer is not None else None
+        tb = writer.scalar_sink() if writer is not None else None  # TensorBoard and W&B
         stop = StopRequest().install()
         self.engine.train()
         try:
@@ -286,9 +305,8 @@ class Trainer:
                         writer.step_done()
                     if not result.skipped:
                         step += 1
-                        if (
-                            self.ema is not None
-                        ):  # after the update was applied: a skipped one does not decay it
+                        # After the update was applied: a skipped one does not decay the average.
+                        if self.ema is not None:
                             self.ema.maybe_update(step)
                         if self.meter.should_log(step):
                             self._log(step, epoch, writer)
@@ -316,6 +334,8 @@ class Trainer:
             stop.uninstall()
             if writer is not None:
                 writer.close()
+            if self.remote_sync is not None:
+                self.remote_sync.close()  # the last sync: the final checkpoint and metrics go up too
         summary = self._summary(step)
         if info.is_main:
             logger.info(

@@ -42,7 +42,11 @@ N = m·k·W pairs and moves the model exactly as one process would on the whole 
 
 ## Precedence
 
-**Command-line flag > DeepSpeed preset > default.**
+**Command-line flag > recipe (`--recipe`) > DeepSpeed preset > default.**
+
+- A recipe (`--recipe datacomp-medium`, or a JSON file) sets flags by name; a flag given on the command line
+  wins, except a `--global-batch-size` other than the recipe's, which is refused. With
+  `--global-batch-size N`, k = N / (W·m) is derived at start ([global-batch.md](global-batch.md)).
 
 - Engine settings (ZeRO stage and buckets, offload, communication) come from the preset
   (`--ds-config`); `--zero-stage` overrides the preset's `zero_optimization.stage`.

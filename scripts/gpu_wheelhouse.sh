@@ -25,7 +25,7 @@ LIMIT_MIB=64
 PINNED=(
     open_clip_torch==3.3.0 webdataset==1.0.2 ftfy==6.3.1 wcwidth==0.9.4 braceexpand==0.1.7 hjson==3.1.0
     pydantic==2.14.4 pydantic_core==2.50.5 annotated_types==0.8.0 typing_inspection==0.4.5
-    typing_extensions==4.16.0
+    typing_extensions==4.16.0 xxhash==4.1.0
 )
 DEEPSPEED=deepspeed==0.19.8
 

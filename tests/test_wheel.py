@@ -38,6 +38,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 SHIPPED_PRESETS = sorted(p.stem for p in (ROOT / "ds_configs").glob("*.json"))
+SHIPPED_RECIPES = sorted(p.stem for p in (ROOT / "ds_clip" / "recipes").glob("*.json"))
 
 # One training, as small as the CLI allows: m=4 pairs, k=2, 2 optimizer steps, one process.
 TRAIN_ARGS = ["--batch-size", "4", "--accum-freq", "2", "--max-steps", "2", "--warmup", "1",
@@ -152,6 +153,9 @@ def test_wheel_holds_the_package_and_presets_but_no_tools(fresh):
     assert sorted(
         n[len("ds_clip/ds_configs/") : -5] for n in names if n.startswith("ds_clip/ds_configs/")
     ) == (SHIPPED_PRESETS)
+    # --recipe NAME reads the recipes beside the presets, inside the installed package.
+    recipes = sorted(n[len("ds_clip/recipes/") : -5] for n in names if n.startswith("ds_clip/recipes/"))
+    assert recipes == SHIPPED_RECIPES and "datacomp-medium" in recipes
     assert {"ds_clip/train.py", "ds_clip/model_configs/ds-clip-tiny.json"} <= set(names)
     assert not [n for n in names if n.split("/")[0] in ("benchmarks", "tests", "scripts", "ds_configs")]
     assert "ds_clip/bench.py" not in names

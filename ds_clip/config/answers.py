@@ -68,13 +68,6 @@ ANSWERED: dict[str, tuple[bool, str]] = {
         "ds_clip runs the installed package; the run folder keeps settings.json and ds_config.json to "
         "reproduce a run: drop it",
     ),
-    "--remote-sync": (
-        True,
-        "ds_clip does not sync the run folder to remote storage: copy <logs>/<name>/checkpoints with your own "
-        "tool (each complete checkpoint has a COMPLETE marker)",
-    ),
-    "--remote-sync-frequency": (True, "goes with --remote-sync, which ds_clip does not have: drop it"),
-    "--remote-sync-protocol": (True, "goes with --remote-sync, which ds_clip does not have: drop it"),
     "--use-bnb-linear": (
         True,
         "bitsandbytes int8 linear layers are not trained by ds_clip (DeepSpeed's precisions: --precision "

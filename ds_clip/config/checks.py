@@ -23,6 +23,7 @@ from ds_clip.config.sections import (
     OptimSettings,
 )
 from ds_clip.errors import SettingsError
+from ds_clip.geometry import divisibility_message
 from ds_clip.presets import OPTIMIZERS, PRECISION_NAMES
 from ds_clip.urls import ShardPatternError, expand_shards
 
@@ -169,8 +170,10 @@ def imagenet_class_folders(folder: str, flag: str) -> dict[str, int]:
 
 def check_optim(o: OptimSettings) -> None:
     """Batch sizes, the run's length, the optimizer's hyper-parameters, per-tower groups and the LR schedule."""
-    for name in ("batch_size", "accum_freq", "epochs"):
+    for name in ("batch_size", "epochs"):
         check_min(name, getattr(o, name), 1)
+    check_min("accum_freq", o.accum_freq, 1, optional=True)
+    check_global_batch(o)
     check_min("max_steps", o.max_steps, 1, optional=True)
     check_min("lr", o.lr, 0, strict=True)
     check_min("wd", o.wd, 0)
@@ -185,6 +188,22 @@ def check_optim(o: OptimSettings) -> None:
         f"--grad-clip-norm must be > 0 (omit it for no clipping), got {o.grad_clip_norm}",
     )
     check_min("max_skipped_steps", o.max_skipped_steps, 1)
+
+
+def check_global_batch(o: OptimSettings) -> None:
+    """What --global-batch-size allows before the world size is known: some W must divide N with this m (and
+    this k, when --accum-freq is given too). The world size itself is checked at start (geometry.derive)."""
+    n = o.global_batch_size
+    if n is None:
+        return
+    check_min("global_batch_size", n, 1)
+    if n % o.batch_size:
+        raise SettingsError(divisibility_message(n, None, o.batch_size))
+    if o.accum_freq is not None and n % (o.accum_freq * o.batch_size):
+        raise SettingsError(
+            f"--accum-freq {o.accum_freq} disagrees with --global-batch-size {n}: k*m = {o.accum_freq}*"
+            f"{o.batch_size} does not divide N on any world size; drop --accum-freq, k follows from N"
+        )
 
 
 def check_ema(e: EmaSettings) -> None:
@@ -253,11 +272,37 @@ def check_outputs(lg: LoggingSettings, ck: CheckpointSettings) -> None:
         "wandb" not in lg.report_to or importlib.util.find_spec("wandb") is not None,
         "--report-to wandb needs the wandb package (pip install wandb)",
     )
+    check_remote(ck)
     if lg.name is not None:
         need(
             lg.name not in ("", ".", "..") and "/" not in lg.name,
             f"--name {lg.name!r} must be a folder name, not a path",
         )
+
+
+def check_remote(ck: CheckpointSettings) -> None:
+    """--remote-sync: a URL of the chosen protocol whose fsspec file system is installed (reachability is
+    checked when the run starts)."""
+    if ck.remote_sync is None:
+        return
+    check_choice("remote_sync_protocol", ck.remote_sync_protocol)
+    check_min("remote_sync_frequency", ck.remote_sync_frequency, 1)
+    url = ck.remote_sync
+    scheme = url.split("://", 1)[0] if "://" in url else "file"
+    need(
+        ck.remote_sync_protocol != "s3" or scheme in ("s3", "s3a"),
+        f"--remote-sync {url}: --remote-sync-protocol s3 needs an s3:// URL; for other storage pass "
+        "--remote-sync-protocol fsspec",
+    )
+    try:
+        import fsspec
+
+        fsspec.get_filesystem_class(scheme)
+    except (ImportError, ValueError) as exc:
+        raise SettingsError(
+            f"--remote-sync {url}: no fsspec file system for {scheme}:// here ({str(exc).splitlines()[0][:160]}); "
+            "pip install 'ds_clip[remote]' (s3fs) or the fsspec package of that storage (gcsfs for gs://)"
+        ) from None
 
 
 def check_optimizer(o: OptimSettings) -> None:

@@ -1,7 +1,7 @@
 """The command line of ds-clip-train: one flag per settings field (`add_flags`, `build_parser`), parsed into
 validated settings (`parse_settings`).
 
-Precedence: command-line flag > DeepSpeed preset (`--ds-config`) > the fields' defaults.
+Precedence: command-line flag > recipe (`--recipe`) > DeepSpeed preset (`--ds-config`) > the fields' defaults.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ds_clip.config.sections import TrainSettings
 from ds_clip.config.validation import validate
 from ds_clip.errors import SettingsError
 from ds_clip.presets import deepspeed_precision, preset_precision
+from ds_clip.recipes import load_recipe
 
 
 def _optional(kind: type):
@@ -106,6 +107,10 @@ def parse_settings(argv: list[str] | None = None) -> TrainSettings:
     Raises SettingsError for bad values; argparse itself exits 2 on malformed flags.
     """
     values: dict[str, Any] = vars(build_parser().parse_args(argv))
+    if values["recipe"]:
+        values = _with_recipe(values, _given(argv))
+    if values["accum_freq"] is None and values["global_batch_size"] is None:
+        values["accum_freq"] = 1  # with --global-batch-size, k is derived at start from the world size
     if values["dataset_type"] in (None, "auto"):  # a .csv/.tsv file is csv, other data shards, none synthetic
         values["dataset_type"] = _derived_dataset_type(values["train_data"])
     if values["precision"] is None:
@@ -124,13 +129,74 @@ def parse_settings(argv: list[str] | None = None) -> TrainSettings:
     return s
 
 
+def _given(argv: list[str] | None) -> set[str]:
+    """The dests of the flags given on this command line (a parser whose every default is SUPPRESS keeps only
+    those), so that a recipe yields to them and to nothing else."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
+
+def _recipe_value(f: Flag, value: Any, recipe: str) -> Any:
+    """A recipe's value for flag `f`, checked against the field's type (a JSON int is also a float)."""
+    where = f"--recipe {recipe}: {f.name}"
+    if f.is_switch:
+        if not isinstance(value, bool):
+            raise SettingsError(f"{where} must be true or false (the switch {f.option}), got {value!r}")
+        return value
+    if value is None:
+        return None
+    base = base_type(f.type)
+    if typing.get_origin(f.type) is list:
+        if not isinstance(value, list):
+            raise SettingsError(f"{where} must be a JSON list ({f.option}), got {value!r}")
+        return list(value)
+    ok = (
+        isinstance(value, base) and not isinstance(value, bool)
+        if base is not float
+        else isinstance(value, (int, float)) and not isinstance(value, bool)
+    )
+    if not ok:
+        raise SettingsError(f"{where} must be a JSON {base.__name__} ({f.option}), got {value!r}")
+    if f.meta["choices"] and value not in f.meta["choices"]:
+        raise SettingsError(f"{where} must be one of {', '.join(f.meta['choices'])}, got {value!r}")
+    return float(value) if base is float else value
+
+
+def _with_recipe(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
+    """`values` with the recipe's settings under the flags given on the command line. A given
+    --global-batch-size other than the recipe's is refused: the recipe's N is the point of it."""
+    recipe = values["recipe"]
+    settings = load_recipe(recipe)["settings"]
+    known = {f.name: f for f in flags()}
+    for name in settings:
+        if name not in known or name in ("recipe", "local_rank", "dry_run"):
+            raise SettingsError(
+                f"--recipe {recipe}: {name!r} is not a setting a recipe can set (a flag's dest)"
+            )
+    n = settings.get("global_batch_size")
+    if n is not None and "global_batch_size" in given and values["global_batch_size"] != n:
+        raise SettingsError(
+            f"--global-batch-size {values['global_batch_size']} with --recipe {recipe}, whose global batch is "
+            f"{n} pairs: the recipe fixes N (k follows from the world size); drop --global-batch-size or the recipe"
+        )
+    out = dict(values)
+    for name, value in settings.items():
+        if name not in given:
+            out[name] = _recipe_value(known[name], value, recipe)
+    return out
+
+
 def default_run_name(s: TrainSettings, now: datetime | None = None) -> str:
     """ "YYYY_mm_dd-HH_MM_SS-model_<model>-m_<m>-k_<k>", with characters unsafe in a folder name replaced."""
     stamp = (now or datetime.now()).strftime("%Y_%m_%d-%H_%M_%S")
     model = s.model.model
     if model.startswith(LOCAL_DIR_PREFIX):
         model = Path(model[len(LOCAL_DIR_PREFIX) :]).name or "local"
-    name = f"{stamp}-model_{model}-m_{s.optim.batch_size}-k_{s.optim.accum_freq}"
+    o = s.optim
+    batch = f"k_{o.accum_freq}" if o.global_batch_size is None else f"N_{o.global_batch_size}"
+    name = f"{stamp}-model_{model}-m_{o.batch_size}-{batch}"
     return re.sub(r"[^A-Za-z0-9_.=+-]", "-", name)
 
 

@@ -189,9 +189,25 @@ class OptimSettings:
 
     batch_size: int = opt(8, metavar="M", unit="pairs", open_clip="differs: default 64 there")
     """Pairs per rank per forward pass: the micro-batch m."""
-    accum_freq: int = opt(1, metavar="K", unit="micro-batches")
+    accum_freq: int | None = opt(
+        None,
+        metavar="K",
+        unit="micro-batches",
+        derived=True,
+        default_text="1; N / (W*m) with --global-batch-size",
+    )
     """k: micro-batches per optimizer step; the loss sees all N = k*m*W pairs at once (exact cached
-    features), so one step moves the model as one process would on the whole N-pair batch."""
+    features), so one step moves the model as one process would on the whole N-pair batch. With
+    --global-batch-size leave it out (k is derived); a k that disagrees with N is refused."""
+    global_batch_size: int | None = opt(None, metavar="N", unit="pairs", open_clip="ds_clip only")
+    """N: pairs per optimizer step, all ranks together. k = N / (W*m) is derived at start on whatever world
+    size W the launcher gives (logged with N, W, m); W*m must divide N. Saved in the checkpoint: a resume
+    or an elastic restart on another W re-derives k and trains the same steps (docs/global-batch.md)."""
+    recipe: str | None = opt(None, metavar="NAME|PATH", open_clip="ds_clip only")
+    """A training recipe that fixes N and the schedule: a shipped one (datacomp-small, datacomp-medium,
+    datacomp-large, datacomp-xlarge, laion400m-vit-b-32, laion400m-vit-b-16, laion400m-vit-l-14) or a JSON
+    file of settings by flag name. Flags on the command line override it, except a different
+    --global-batch-size (refused: a recipe's N is what it is)."""
     epochs: int = opt(1, metavar="N", unit="epochs", open_clip="differs: default 32 there")
     """Passes over the training data; --max-steps, when set, stops earlier."""
     max_steps: int | None = opt(None, metavar="STEPS", unit="steps", open_clip="ds_clip only")
@@ -333,8 +349,30 @@ class CheckpointSettings:
         open_clip="ds_clip only (open_clip: --delete-previous-checkpoint)",
     )
     """Keep only the newest N complete checkpoints; older ones are deleted after a newer one is complete."""
-    resume: str | None = opt(None, metavar="latest|DIR")
-    """"latest" (the latest complete checkpoint of the run named by --name) or a checkpoint folder."""
+    resume: str | None = opt(
+        None, metavar="latest|DIR", open_clip="differs: latest also pulls from --remote-sync when newer there"
+    )
+    """"latest" (the latest complete checkpoint of the run named by --name; with --remote-sync, the remote's
+    when it is newer, pulled and checked first) or a checkpoint folder."""
+    remote_sync: str | None = opt(
+        None, metavar="URL", open_clip="differs: complete checkpoints only (marker last), checked by checksum"
+    )
+    """Copy the run folder (checkpoints, logs) to URL/<name> (s3://, gs:// or any fsspec URL) every
+    --remote-sync-frequency seconds from a background thread, and at the end; only complete checkpoints,
+    their COMPLETE marker written last. A failed sync is logged and retried, never fatal. The remote must
+    be reachable and writable at start (else exit 2). docs/remote.md."""
+    remote_sync_frequency: int = opt(300, metavar="SECONDS", unit="seconds")
+    """Seconds between two syncs of the run folder to --remote-sync."""
+    remote_sync_protocol: str = opt(
+        "s3",
+        choices=("s3", "fsspec"),
+        open_clip="differs: s3 goes through s3fs (fsspec), not the aws command line",
+    )
+    """"s3" (an s3:// URL, through s3fs) or "fsspec" (any URL fsspec knows: gs://, az://, file://, ...)."""
+    on_save_failure: str = opt("stop", choices=("stop", "continue"), open_clip="ds_clip only")
+    """A checkpoint that cannot be written (no space, no permission, a quota) is reported in one line and its
+    partial folder removed, the last complete one kept; then "stop" (exit 1) or "continue" (keep training and
+    try again at the next save, e.g. while --remote-sync holds the last checkpoint)."""
 
 
 @dataclass
@@ -496,7 +534,8 @@ class TrainSettings:
 
     Sizes: m = `optim.batch_size` pairs per rank per micro-batch, k = `optim.accum_freq` micro-batches per
     optimizer step, W = world size; one optimizer step sees N = m * k * W pairs and moves the model as one
-    process would on the whole N-pair batch (ds_clip.step says how).
+    process would on the whole N-pair batch (ds_clip.step says how). With `optim.global_batch_size` N set,
+    `optim.accum_freq` may stay None: k is derived from the world size at start (ds_clip.geometry).
 
     Field names are unique across sections (each is its flag's dest): `TrainSettings.of(batch_size=4)`
     and settings.json use them flat.

@@ -78,6 +78,10 @@ class TrainData:
     steps_per_epoch: int
     """Optimizer steps per epoch, equal on every rank."""
 
+    exact_across_splits: bool = False
+    """True when what step s trains depends on (seed, epoch, s, N) alone, not on the (W, k) split: then a
+    position saved on one world size resumes the very same samples on another with the same N."""
+
     def __init__(self, geometry: BatchGeometry, rank: int) -> None:
         self.geometry, self.rank = geometry, rank
         self.skip_counts: dict[str, int] = {}
@@ -114,7 +118,9 @@ class TrainData:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         g = self.geometry
         saved = (state.get("world_size"), state.get("accum_freq"), state.get("micro_batch_size"))
-        if saved != (g.world_size, g.accum_freq, g.micro_batch_size):
+        saved_n = None if None in saved else saved[0] * saved[1] * saved[2]  # type: ignore[operator]
+        same_samples = self.exact_across_splits and saved_n == g.global_batch
+        if saved != (g.world_size, g.accum_freq, g.micro_batch_size) and not same_samples:
             logger.warning(
                 "data position was saved with (W, k, m) = %s, now %s: the step count is kept, "
                 "but which samples the rest of the epoch sees is not the same as without the restart",

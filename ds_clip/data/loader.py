@@ -89,6 +89,7 @@ class _MapTrainData(TrainData):
     workers: int
     seed: int
     source: str = ""  # the file named in errors (CSV)
+    exact_across_splits = True  # index = first + s*N + g*m + [0, m): a function of N, not of W or k
 
     def _first_index(self, epoch: int) -> int:
         raise NotImplementedError

@@ -28,6 +28,7 @@ import psutil  # a DeepSpeed dependency: finds the rank processes under the laun
 import pytest
 import torch
 
+from ds_clip.checkpoint import CHECKSUM, file_checksum
 from ds_clip_harness.models import E2E_MODEL
 from tests import shm_files
 
@@ -509,8 +510,8 @@ def test_pretrained_file_needing_unpickling_is_refused(tmp_path):
 
 
 def test_checkpoint_file_replaced_by_a_pickle_fails_resume(model_dir, tmp_path, reference):
-    """A checkpoint whose model-state file was swapped for a pickle (manifest sizes updated, as an
-    attacker would): `--resume latest` exits 1 with one error line naming the file; no code runs."""
+    """A checkpoint whose model-state file was swapped for a pickle (manifest size and checksum updated, as
+    an attacker would): `--resume latest` exits 1 with one error line naming the file; no code runs."""
     run = tmp_path / "tampered"
     shutil.copytree(reference, run)
     ckpt = run / "checkpoints" / _tag(6)
@@ -518,7 +519,7 @@ def test_checkpoint_file_replaced_by_a_pickle_fails_resume(model_dir, tmp_path, 
     marker = tmp_path / "code_ran"
     torch.save({"module": {}, "extra": _Payload(marker)}, victim)
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    manifest[victim.name] = victim.stat().st_size
+    manifest["files"][victim.name] = {"bytes": victim.stat().st_size, CHECKSUM: file_checksum(victim)}
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     args = _args(model_dir, tmp_path, "tampered", "--resume", "latest", steps=8)
     rank0, rank1 = _ranks_by_hand(args, tmp_path / "out")

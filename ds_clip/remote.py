@@ -1,0 +1,382 @@
+"""Checkpoints on remote storage (``--remote-sync URL``): the run folder copied to URL/<name>, and pulled back.
+
+    ds-clip-train ... --save-every-n-steps 500 --remote-sync s3://bucket/runs            (s3fs)
+    ds-clip-train ... --remote-sync gs://bucket/runs --remote-sync-protocol fsspec        (gcsfs)
+    ds-clip-train ... --remote-sync s3://bucket/runs --resume latest   # a fresh node: pulls, checks, resumes
+
+The layout is open_clip's: URL/<name>/ mirrors <logs>/<name>/ (settings, metrics, TensorBoard, checkpoints).
+Rank 0 runs ``RemoteSync`` in a background thread, every ``--remote-sync-frequency`` seconds and once at the
+end, so the training step never waits for the network. What reaches the remote:
+
+- only complete checkpoints (a local ``COMPLETE`` marker), each file streamed through the checksum and
+  compared with the manifest on the way (a file that changed after its save is not uploaded), the manifest
+  next, the ``COMPLETE`` marker last, then the remote ``latest_complete`` pointer: a sync cut short leaves a
+  folder without the marker, which nothing pulls;
+- the other files of the run folder whenever their size or modification time changed;
+- with ``--keep-checkpoints N``, the remote keeps the newest N complete checkpoints too (marker deleted first).
+
+A failed sync is logged with its reason and tried again at the next period; training goes on. An unreachable
+or unwritable remote is refused at start (``check_writable``, exit 2). ``pull_latest`` (``--resume latest``)
+downloads the remote's newest complete checkpoint when it is newer than the local one, checks every file
+against the manifest's sizes and checksums in a hidden folder, and only then makes it a local complete
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ds_clip.checkpoint import (
+    CHECKSUM,
+    MANIFEST,
+    MARKER,
+    POINTER,
+    TAG_PREFIX,
+    first_mismatch,
+    manifest_files,
+)
+from ds_clip.config import CheckpointSettings
+from ds_clip.distributed import broadcast_object, rank
+from ds_clip.errors import UserError
+
+logger = logging.getLogger("ds_clip")
+
+_CHUNK = 16 << 20
+
+
+class RemoteError(UserError):
+    """The remote cannot be used: unreachable or unwritable at start, or a pulled checkpoint that fails its
+    checksums."""
+
+
+class SyncError(Exception):
+    """One sync that did not finish (logged, tried again at the next period)."""
+
+
+@dataclass(frozen=True)
+class Remote:
+    """URL/<name> on an fsspec file system: ``fs`` and the run's folder ``root`` on it (no protocol)."""
+
+    fs: Any
+    root: str
+    url: str
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+
+def open_remote(url: str, name: str) -> Remote:
+    """The run folder ``url``/``name`` on its file system (s3fs for s3://, any fsspec implementation)."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url)
+    if "file" in _protocols(fs):
+        # A local or mounted folder: let open() create parent folders, as object stores need none.
+        fs, root = fsspec.core.url_to_fs(url, auto_mkdir=True)
+    return Remote(fs=fs, root=f"{root.rstrip('/')}/{name}", url=f"{url.rstrip('/')}/{name}")
+
+
+def _protocols(fs) -> tuple[str, ...]:
+    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+
+
+def check_writable(remote: Remote, flag: str = "--remote-sync") -> None:
+    """Write, read back and delete a small file under the run's remote folder; one line if that fails."""
+    probe = remote.path(f".ds_clip_write_test.{os.getpid()}")
+    try:
+        with remote.fs.open(probe, "wb") as f:
+            f.write(b"ok")
+        with remote.fs.open(probe, "rb") as f:
+            ok = f.read() == b"ok"
+        remote.fs.rm(probe)
+    except Exception as exc:  # noqa: BLE001 - s3fs, gcsfs, aiohttp... each raise their own kinds
+        raise RemoteError(
+            f"{flag} {remote.url}: cannot write there ({_first_line(exc)}); check the URL, the credentials "
+            "(AWS_* / AWS_ENDPOINT_URL for s3) and that the bucket exists"
+        ) from None
+    if not ok:
+        raise RemoteError(f"{flag} {remote.url}: a file written there reads back different")
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
+
+
+def _step_of(name: str) -> int | None:
+    rest = name[len(TAG_PREFIX) :] if name.startswith(TAG_PREFIX) else ""
+    return int(rest) if rest.isdigit() else None
+
+
+def _local_complete(ckpt_root: Path) -> list[Path]:
+    if not ckpt_root.is_dir():
+        return []
+    found = [p for p in ckpt_root.iterdir() if p.is_dir() and _step_of(p.name) is not None]
+    return sorted((p for p in found if (p / MARKER).exists()), key=lambda p: _step_of(p.name))
+
+
+def remote_complete(remote: Remote) -> list[str]:
+    """Tags of the remote's complete checkpoints (with their COMPLETE marker), oldest first."""
+    root = remote.path("checkpoints")
+    try:
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in remote.fs.ls(root, detail=False)]
+    except FileNotFoundError:
+        return []
+    tags = sorted((n for n in names if _step_of(n) is not None), key=_step_of)
+    return [t for t in tags if remote.fs.exists(remote.path("checkpoints", t, MARKER))]
+
+
+def _copy_hashed(src, dst) -> str:
+    """Copy one open file to another in chunks, returning the CHECKSUM of the bytes that went through."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    while chunk := src.read(_CHUNK):
+        h.update(chunk)
+        dst.write(chunk)
+    return h.hexdigest()
+
+
+class RemoteSync:
+    """Rank 0's copier of the run folder to the remote: ``start`` a background thread, ``close`` at the end."""
+
+    def __init__(self, remote: Remote, run_dir: Path, *, every_s: float, keep: int | None) -> None:
+        self.remote, self.run_dir, self.every_s, self.keep = remote, Path(run_dir), every_s, keep
+        self._sent: dict[str, tuple[int, int]] = {}
+        """Run-folder files uploaded, with the (size, mtime_ns) they had then."""
+        self._complete: set[str] | None = None
+        """Checkpoint tags complete on the remote (listed once, then kept up to date)."""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failures = 0
+
+    def start(self) -> RemoteSync:
+        self._thread = threading.Thread(target=self._loop, name="ds_clip-remote-sync", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.sync_once()
+
+    def close(self) -> None:
+        """Stop the thread (after the sync it is in) and sync once more: the last checkpoint goes up too."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.sync_once()
+
+    def sync_once(self) -> bool:
+        """One pass; a failure is logged (never raised) and the next pass tries again. True if it all went up."""
+        try:
+            self._sync_files()
+            self._sync_checkpoints()
+        except Exception as exc:  # noqa: BLE001 - a sync failure must never end training
+            self.failures += 1
+            logger.warning(
+                "remote sync to %s failed (%s); retrying in %g s, training goes on",
+                self.remote.url, _first_line(exc), self.every_s,
+            )  # fmt: skip
+            return False
+        return True
+
+    # -- the run folder's other files
+
+    def _sync_files(self) -> None:
+        for f in sorted(self.run_dir.rglob("*")):
+            rel = f.relative_to(self.run_dir)
+            if rel.parts[0] == "checkpoints" or not f.is_file():
+                continue
+            try:
+                st = f.stat()
+            except FileNotFoundError:  # removed while we walked (a temporary file)
+                continue
+            key = str(rel)
+            if self._sent.get(key) == (st.st_size, st.st_mtime_ns):
+                continue
+            with f.open("rb") as src, self.remote.fs.open(self.remote.path(*rel.parts), "wb") as dst:
+                _copy_hashed(src, dst)
+            self._sent[key] = (st.st_size, st.st_mtime_ns)
+
+    # -- checkpoints
+
+    def _sync_checkpoints(self) -> None:
+        if self._complete is None:
+            self._complete = set(remote_complete(self.remote))
+        local = _local_complete(self.run_dir / "checkpoints")
+        newest = None
+        for folder in local:
+            if folder.name in self._complete:
+                continue
+            try:
+                self._upload(folder)
+            except FileNotFoundError:
+                # Pruned locally (--keep-checkpoints) while it went up: drop the remote partial copy.
+                self._remove_remote(folder.name)
+                continue
+            self._complete.add(folder.name)
+            newest = folder.name
+            logger.info("remote sync: %s is complete on %s", folder.name, self.remote.url)
+        if newest is not None:
+            tag = max(self._complete, key=_step_of)
+            with self.remote.fs.open(self.remote.path("checkpoints", POINTER), "wb") as f:
+                f.write(tag.encode())
+        if self.keep is not None:
+            for tag in sorted(self._complete, key=_step_of)[: -self.keep]:
+                self._remove_remote(tag)
+                self._complete.discard(tag)
+
+    def _upload(self, folder: Path) -> None:
+        """The manifest's files (each checked against its checksum on the way), the manifest, the marker last."""
+        manifest = json.loads((folder / MANIFEST).read_text())
+        fs, rdir = self.remote.fs, self.remote.path("checkpoints", folder.name)
+        if fs.exists(f"{rdir}/{MARKER}"):
+            fs.rm(f"{rdir}/{MARKER}")
+        for name, entry in manifest_files(manifest).items():
+            with (folder / name).open("rb") as src, fs.open(f"{rdir}/{name}", "wb") as dst:
+                digest = _copy_hashed(src, dst)
+            if CHECKSUM in entry and digest != entry[CHECKSUM]:
+                raise SyncError(
+                    f"{folder / name} no longer matches the checksum saved in its manifest (changed on disk "
+                    f"after the save): {folder.name} is not uploaded"
+                )
+        for name in (MANIFEST, MARKER):  # the marker last: a remote folder without it is never pulled
+            with (folder / name).open("rb") as src, fs.open(f"{rdir}/{name}", "wb") as dst:
+                _copy_hashed(src, dst)
+
+    def _remove_remote(self, tag: str) -> None:
+        fs, rdir = self.remote.fs, self.remote.path("checkpoints", tag)
+        try:
+            if fs.exists(f"{rdir}/{MARKER}"):
+                fs.rm(f"{rdir}/{MARKER}")  # first: a deletion cut short leaves a folder that reads as partial
+            fs.rm(rdir, recursive=True)
+        except FileNotFoundError:
+            pass
+
+
+# --------------------------------------------------------------------------------------------- pulling
+
+
+def pull_latest(remote: Remote, run_dir: Path, flag: str = "--resume latest") -> Path | None:
+    """Rank 0: when the remote's newest complete checkpoint is newer than the local one, download it into a
+    hidden folder, check every file against the manifest (sizes and checksums), then make it the local
+    ``latest_complete``. Also fetches the run folder's other files that are not here (metrics, TensorBoard).
+    Returns the pulled folder, or None when the local checkpoint is as new. Raises RemoteError."""
+    ckpt_root = run_dir / "checkpoints"
+    try:
+        tags = remote_complete(remote)
+    except Exception as exc:  # noqa: BLE001
+        raise RemoteError(f"{flag}: cannot list {remote.url}/checkpoints ({_first_line(exc)})") from None
+    local = _local_complete(ckpt_root)
+    if not tags or (local and _step_of(local[-1].name) >= _step_of(tags[-1])):
+        return None
+    tag = tags[-1]
+    _pull_run_files(remote, run_dir)
+    tmp, final = ckpt_root / f".pull-{tag}", ckpt_root / tag
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    fs, rdir = remote.fs, remote.path("checkpoints", tag)
+    try:
+        with fs.open(f"{rdir}/{MANIFEST}", "rb") as f:
+            manifest = json.loads(f.read())
+        for name in [*manifest_files(manifest), MANIFEST]:
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            with fs.open(f"{rdir}/{name}", "rb") as src, (tmp / name).open("wb") as dst:
+                _copy_hashed(src, dst)
+    except Exception as exc:  # noqa: BLE001
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RemoteError(
+            f"{flag}: pulling {remote.url}/checkpoints/{tag} failed ({_first_line(exc)})"
+        ) from None
+    for name, entry in manifest_files(manifest).items():
+        if (tmp / name).stat().st_size != entry["bytes"]:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise RemoteError(
+                f"{flag}: {remote.url}/checkpoints/{tag}/{name} has {(tmp / name).stat().st_size} bytes, its "
+                f"manifest says {entry['bytes']}: the remote copy is damaged"
+            )
+    bad = first_mismatch(tmp)
+    if bad is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        older = tags[:-1]
+        raise RemoteError(
+            f"{flag}: {remote.url}/checkpoints/{tag}/{bad[0]} does not match its checksum in {MANIFEST} "
+            f"({bad[1]}): the remote copy is damaged; "
+            + (
+                f"older complete remote checkpoints: {', '.join(older[-3:])} (pull one with your tool and "
+                "resume with --resume DIR)"
+                if older
+                else "no older complete checkpoint on the remote"
+            )
+        )
+    (tmp / MARKER).write_text(str(_step_of(tag)))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    pointer_tmp = ckpt_root / f".{POINTER}.tmp"
+    pointer_tmp.write_text(tag)
+    os.replace(pointer_tmp, ckpt_root / POINTER)
+    return final
+
+
+def _pull_run_files(remote: Remote, run_dir: Path) -> None:
+    """The remote run folder's files outside checkpoints/ that this run folder lacks (never overwritten)."""
+    fs = remote.fs
+    try:
+        found = fs.find(remote.root)
+    except FileNotFoundError:
+        return
+    prefix = remote.root.rstrip("/") + "/"
+    for rpath in found:
+        rel = rpath[len(prefix) :] if rpath.startswith(prefix) else None
+        if not rel or rel.startswith("checkpoints/") or rel.startswith(".ds_clip_write_test"):
+            continue
+        local = run_dir / rel
+        if local.exists():
+            continue
+        local.parent.mkdir(parents=True, exist_ok=True)
+        with fs.open(rpath, "rb") as src, local.open("wb") as dst:
+            _copy_hashed(src, dst)
+
+
+# ------------------------------------------------------------------------------------------- the run
+
+
+def start_sync(section: CheckpointSettings, run_dir: Path) -> RemoteSync | None:
+    """Every rank calls this at start, before the engine is built. With ``--remote-sync``: rank 0 checks the
+    remote is writable, pulls its newest complete checkpoint for ``--resume latest`` when it is newer than
+    the local one, and starts the background sync; any failure is one RemoteError on every rank (exit 2).
+    Returns rank 0's RemoteSync (None on the other ranks and without --remote-sync)."""
+    if section.remote_sync is None:
+        return None
+    error, remote = None, None
+    if rank() == 0:
+        try:
+            remote = open_remote(section.remote_sync, run_dir.name)
+            check_writable(remote)
+            if section.resume == "latest":
+                pulled = pull_latest(remote, run_dir)
+                if pulled is not None:
+                    logger.info("pulled %s from %s (sizes and checksums checked)", pulled.name, remote.url)
+        except RemoteError as exc:
+            error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - a file system's own error at open: still one line
+            error = f"--remote-sync {section.remote_sync}: {_first_line(exc)}"
+    error = broadcast_object(error, src=0)
+    if error is not None:
+        raise RemoteError(error)
+    if remote is None:
+        return None
+    keep = 1 if section.delete_previous_checkpoint else section.keep_checkpoints
+    logger.info(
+        "remote sync: %s every %d s (background thread; complete checkpoints only)",
+        remote.url, section.remote_sync_frequency,
+    )  # fmt: skip
+    return RemoteSync(remote, run_dir, every_s=section.remote_sync_frequency, keep=keep).start()
