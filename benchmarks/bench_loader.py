@@ -8,6 +8,16 @@ test models) and each source (the built-in synthetic dataset rendered at that si
 the same pairs as JPEG, written first with ds-clip-shards into a temporary folder), it runs one rank
 (W=1, k=1, m=64) with --workers 0, 1, 2 and reports samples/s after the first step (worker start-up
 excluded) and samples/s per worker. Prints a markdown table and the machine it ran on.
+
+Side by side with open_clip (``--open-clip``, 224 px only): open_clip_train's own webdataset loader,
+``open_clip_train.data.get_wds_dataset`` (its DataLoader, its shuffle buffers, PIL decode, the same transform
+and tokenizer, m = 64, resampled shards), on the same JPEG shards with the same worker counts; the table then
+gives ds_clip's samples/s over open_clip's. One change makes it run at all: open_clip_train 3.3.0's
+sample grouping reads ``sample["fname"]`` from the end-of-shard marker that webdataset 1.0.2 emits (an empty
+dict, ``KeyError: 'fname'``), so the benchmark hands its pipeline webdataset's tar expander with
+``eof_value=None`` (no marker), which changes nothing else.
+
+    python benchmarks/bench_loader.py --open-clip --sizes 224 --workers 1 2 --json docs/bench/loader_cpu.json
 """
 
 from __future__ import annotations
@@ -67,16 +77,47 @@ def measure(settings: DataSettings, preprocess, tokenizer, seconds: float) -> fl
     return samples / elapsed
 
 
+def measure_open_clip(pattern: str, workers: int, preprocess, tokenizer, seconds: float) -> float:
+    """Samples/s of open_clip_train's get_wds_dataset on `pattern`, after its first batch."""
+    import functools
+    from types import SimpleNamespace
+
+    import open_clip_train.data as oc_data
+    import webdataset as wds
+
+    # webdataset 1.0.2 ends each shard with an empty-dict marker that open_clip's grouping cannot read.
+    oc_data.tar_file_expander = functools.partial(wds.tariterators.tar_file_expander, eof_value=None)
+    args = SimpleNamespace(
+        train_data=pattern, val_data=None, dataset_resampled=True, train_num_samples=10**7,
+        train_data_upsampling_factors=None, seed=0, batch_size=MICRO_BATCH, workers=workers, world_size=1,
+    )  # fmt: skip
+    info = oc_data.get_wds_dataset(args, preprocess, is_train=True, epoch=0, tokenizer=tokenizer)
+    start, samples = None, 0
+    for images, _ in info.dataloader:
+        if start is None:  # worker start-up and the first fill of open_clip's shuffle buffer
+            start = time.perf_counter()
+            continue
+        samples += images.shape[0]
+        if time.perf_counter() - start > seconds:
+            break
+    return samples / (time.perf_counter() - start)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--seconds", type=float, default=5.0, help="measurement per configuration")
     parser.add_argument("--samples", type=int, default=3072, help="pairs in the generated shards")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[224, 64], help="image sides in px")
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="DataLoader workers")
+    parser.add_argument("--open-clip", action="store_true", help="also open_clip_train's get_wds_dataset")
+    parser.add_argument("--json", default=None, help="write the rows and the machine here")
     args = parser.parse_args(argv)
+    results: list[dict] = []
     torch.set_num_threads(1)  # one process = one core, as in a DataLoader worker
     tokenizer = open_clip.get_tokenizer("ViT-B-32")  # SimpleTokenizer: its BPE file ships with open_clip
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for size in (224, 64):
+        for size in args.sizes:
             preprocess = open_clip.image_transform(size, is_train=True)
             shard_dir = os.path.join(tmp, f"shards{size}")
             shards_main(
@@ -95,11 +136,22 @@ def main(argv: list[str] | None = None) -> int:
                 ),
             }
             for name, settings in sources.items():
-                for workers in (0, 1, 2):
+                for workers in args.workers:
                     settings.workers = workers
                     rate = measure(settings, preprocess, tokenizer, args.seconds)
+                    versus = ""
+                    if args.open_clip and name == "webdataset" and workers > 0:
+                        # open_clip expands braces and "::" lists, not globs
+                        tars = sorted(f for f in os.listdir(shard_dir) if f.endswith(".tar"))
+                        pattern = "::".join(os.path.join(shard_dir, f) for f in tars)
+                        theirs = measure_open_clip(pattern, workers, preprocess, tokenizer, args.seconds)
+                        versus = f"{theirs:.0f} ({rate / theirs:.2f}x)"
+                        results.append(
+                            {"source": "open_clip_wds", "px": size, "workers": workers, "rate": theirs}
+                        )
+                    results.append({"source": name, "px": size, "workers": workers, "rate": rate})
                     per_worker = f"{rate / workers:.0f}" if workers else "-"
-                    rows.append(f"| {name} | {size} | {workers} | {rate:.0f} | {per_worker} |")
+                    rows.append(f"| {name} | {size} | {workers} | {rate:.0f} | {per_worker} | {versus} |")
                     print(rows[-1], file=sys.stderr, flush=True)
     print(f"machine: {machine()}")
     print(f"date: {datetime.date.today().isoformat()}")
@@ -107,9 +159,22 @@ def main(argv: list[str] | None = None) -> int:
         "command: python benchmarks/bench_loader.py " + " ".join(argv if argv is not None else sys.argv[1:])
     )
     print()
-    print("| source | image px | workers | samples/s | samples/s per worker |")
-    print("|---|---|---|---|---|")
+    print(
+        "| source | image px | workers | samples/s | samples/s per worker | open_clip get_wds_dataset (ours/theirs) |"
+    )
+    print("|---|---|---|---|---|---|")
     print("\n".join(rows))
+    if args.json:
+        import json
+
+        payload = {
+            "machine": machine(),
+            "load1": os.getloadavg()[0],
+            "argv": argv or sys.argv[1:],
+            "rows": results,
+        }
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
     return 0
 
 

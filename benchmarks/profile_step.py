@@ -10,6 +10,20 @@ Everything after ``--`` goes to the trainer unchanged, plus what both need to ru
 (ds_clip: --max-steps, --logs; open_clip: --dataset-type synthetic, --train-num-samples, --epochs 1,
 --device cpu on a CPU machine, --logs, and --precision fp32, ds_clip's default, unless the flags set one). One process, one thread (``--threads``).
 
+Several ranks (``--ranks R``): the script starts itself under the launcher users run, ``deepspeed --num_gpus R``
+for ds_clip and ``torchrun --standalone --nproc_per_node R`` for open_clip (its DDP given ``device_ids=None`` on
+CPU ranks, as in side_by_side.py); every rank profiles its own step and rank 0 prints and saves its table:
+
+    python benchmarks/profile_step.py ds_clip --ranks 2 --json p.json -- --model ds-clip-tiny --batch-size 16
+    python benchmarks/profile_step.py open_clip --ranks 2 -- --model ds-clip-tiny --batch-size 16
+
+Besides the operator table, the step's self CPU time is split into groups by operator name (``GROUPS``):
+matrix multiplies (forward and backward), the optimizer's update, copies (flattening gradients into ZeRO
+partitions, copying parameters back, casts, concatenations), collectives (gloo/NCCL calls, including the time
+a rank waits in them for the other ranks) and the rest (element-wise ops, attention, norms, autograd). Shares of
+one step survive a loaded machine better than seconds do; "outside operators" is the self time of the
+profiler's step span (Python, the loop, and time descheduled when other jobs share the cores).
+
 How a "step" is cut out of a trainer that owns its loop: the end of every optimizer step (open_clip: a global
 optimizer-step post-hook, ``torch.optim.optimizer.register_optimizer_step_post_hook``; ds_clip: the end of
 ``DeepSpeedEngine.step``, since ZeRO 1-3 call the torch optimizer once per parameter group) advances the
@@ -27,6 +41,41 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+# Operator-name groups of one step, tried in this order; an operator matching none is "rest". Names are torch's
+# (aten::..., c10d::...) and gloo's record names; DeepSpeed's flatten is aten::cat, its copy-back aten::copy_.
+GROUPS: dict[str, tuple[str, ...]] = {
+    # the profiler's own step span: its self time is what no operator covers (Python, the loop, the data
+    # loader's hand-over, time descheduled on a loaded machine)
+    "outside operators": ("profilerstep",),
+    "collectives": ("c10d::", "gloo:", "nccl:", "allreduce", "all_reduce", "allgather", "all_gather", "broadcast",
+                    "reduce_scatter", "barrier", "record_param_comms", "wait"),
+    "optimizer": ("adam", "aten::lerp", "aten::addcdiv", "aten::addcmul", "aten::sqrt", "aten::_foreach"),
+    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product",
+               "aten::convolution", "aten::mkldnn_convolution"),
+    "copies": ("aten::copy_", "aten::cat", "aten::_to_copy", "aten::clone", "aten::narrow_copy", "aten::zero_",
+               "aten::fill_", "aten::index_put", "aten::_unsafe_view", "aten::contiguous"),
+}  # fmt: skip
+
+
+def group_of(op: str) -> str:
+    """The GROUPS key of an operator name (case-insensitive substring match), else "rest"."""
+    name = op.lower()
+    for group, needles in GROUPS.items():
+        if any(n in name for n in needles):
+            return group
+    return "rest"
+
+
+def _launcher_argv(trainer: str, ranks: int, own: list[str], user: list[str]) -> list[str]:
+    """This script under the launcher a user runs: deepspeed for ds_clip, torchrun for open_clip."""
+    script = [os.path.abspath(__file__), *own, "--rank-child", "--", *user]
+    if trainer == "ds_clip":
+        from ds_clip.distributed import _free_port
+
+        # a free port, not the launcher's default 29500 (another job on the machine may hold it)
+        return ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(_free_port()), *script]
+    return ["torchrun", "--standalone", "--nproc_per_node", str(ranks), *script]
 
 
 def _trainer_argv(trainer: str, user: list[str], steps: int, logs: str) -> list[str]:
@@ -105,6 +154,10 @@ def profile(trainer: str, user_argv: list[str], *, skip: int, threads: int, row_
 
             rc = main(argv)
         else:
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+                from side_by_side import patch_cpu_ddp
+
+                patch_cpu_ddp()
             from open_clip_train.main import main
 
             rc = main(argv)
@@ -120,11 +173,17 @@ def profile(trainer: str, user_argv: list[str], *, skip: int, threads: int, row_
     table = averages.table(sort_by=sort, row_limit=row_limit)
     total_us = sum(e.self_cpu_time_total for e in averages)
     rows = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:row_limit]
+    groups: dict[str, float] = dict.fromkeys([*GROUPS, "rest"], 0.0)
+    for e in averages:
+        groups[group_of(e.key)] += e.self_cpu_time_total
     data = {
         "trainer": trainer,
         "argv": user_argv,
         "threads": threads,
+        "ranks": int(os.environ.get("WORLD_SIZE", "1")),
+        "load1": os.getloadavg()[0],
         "step_self_cpu_s": total_us / 1e6,
+        "shares": {g: (us / total_us if total_us else 0.0) for g, us in groups.items()},
         "top": [
             {
                 "op": e.key,
@@ -148,11 +207,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--row-limit", type=int, default=20)
     p.add_argument("--json", type=Path, help="also write the top rows as JSON here")
+    p.add_argument("--ranks", type=int, default=1, help="ranks, started by deepspeed (ds_clip) or torchrun")
+    p.add_argument("--rank-child", action="store_true", help=argparse.SUPPRESS)
+    # deepspeed's launcher puts --local_rank=N before the script's own flags (and LOCAL_RANK in the environment,
+    # which ds-clip-train reads).
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(own)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    if args.ranks > 1 and not args.rank_child:
+        import subprocess
+
+        return subprocess.call(_launcher_argv(args.trainer, args.ranks, own, user))
     table, data = profile(args.trainer, user, skip=args.skip, threads=args.threads, row_limit=args.row_limit)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    shares = ", ".join(f"{g} {v:.0%}" for g, v in data["shares"].items())
     print(
         f"\n=== {args.trainer} {' '.join(user)}: one optimizer step, {data['step_self_cpu_s']:.3f} s self CPU"
+        f" (rank 0 of {data['ranks']}, load {data['load1']:.1f}): {shares}"
     )
     print(table)
     if args.json:

@@ -63,7 +63,18 @@ def ds_clip_command(
     if ranks == 1:
         launcher = [sys.executable, "-m", "ds_clip.train"]
     else:
-        launcher = ["deepspeed", "--num_gpus", str(ranks), "--module", "ds_clip.train"]
+        from ds_clip.distributed import _free_port
+
+        # a free port, not the launcher's default 29500 (another job on the machine may hold it)
+        launcher = [
+            "deepspeed",
+            "--num_gpus",
+            str(ranks),
+            "--master_port",
+            str(_free_port()),
+            "--module",
+            "ds_clip.train",
+        ]
     own = ["--accum-freq", str(k), "--max-steps", str(steps), "--log-every-n-steps", "1", "--logs", logs]
     return [*launcher, *user, *extra, *own]
 
@@ -163,6 +174,16 @@ def _end_group(proc: subprocess.Popen) -> None:
 def open_clip_entry(argv: list[str]) -> int:
     """open_clip_train's main(argv), with ds_clip's model configs (ds-clip-tiny) registered with open_clip,
     and on the CPU, DDP given device_ids=None for the CPU module."""
+    patch_cpu_ddp()
+    from open_clip_train.main import main as open_clip_main
+
+    open_clip_main(argv)
+    return 0
+
+
+def patch_cpu_ddp() -> None:
+    """Register ds_clip's model configs with open_clip and make DistributedDataParallel take device_ids=None for
+    a CPU module (open_clip_train passes device_ids=[cpu], which torch refuses); nothing else changes."""
     import torch
 
     import ds_clip.model  # noqa: F401  (registers ds_clip's built-in model configs with open_clip)
@@ -176,10 +197,6 @@ def open_clip_entry(argv: list[str]) -> int:
             super().__init__(module, device_ids, *args, **kwargs)
 
     torch.nn.parallel.DistributedDataParallel = CpuDDP  # type: ignore[misc]
-    from open_clip_train.main import main as open_clip_main
-
-    open_clip_main(argv)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -458,6 +458,8 @@ def check_writable(logs: Path) -> None:
 class OutputError(UserError):
     """The output folder cannot take the run (not writable, too little space)."""
 
+    same_on_every_rank = False  # --logs can be a different disk on each host: every rank says what it found
+
 
 def _step_of(folder: Path) -> int | None:
     name = folder.name

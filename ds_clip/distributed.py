@@ -298,6 +298,38 @@ def all_reduce_min(t: torch.Tensor) -> torch.Tensor:
     return _all_reduce(t, dist.ReduceOp.MIN)
 
 
+# Gradients below this many elements travel together in one flattened message (one call's latency for the many
+# biases and norms); larger ones are reduced where they lie, with no copy.
+SMALL_GRADIENT_ELEMENTS = 1 << 16
+
+
+def average_in_place(tensors: list[torch.Tensor]) -> None:
+    """Average each tensor over the ranks, in place, as DeepSpeed's ZeRO-0 all-reduce does (sum, then times
+    1/W) but without flattening the large ones into a copy of the whole gradient first: each tensor of at least
+    SMALL_GRADIENT_ELEMENTS is all-reduced where it lies, the small ones together in one flattened message.
+    Through DeepSpeed's comm wrapper, so its comms logger counts these reductions like its own. A collective:
+    every rank passes the same shapes in the same order; a world of one issues nothing."""
+    if _single() or not tensors:
+        return
+    from deepspeed import comm as ds_comm
+
+    scale = 1.0 / world_size()
+    small = [t for t in tensors if t.numel() < SMALL_GRADIENT_ELEMENTS]
+    if small:
+        flat = to_device(torch.cat([t.reshape(-1) for t in small]))
+        ds_comm.all_reduce(flat)
+        flat.mul_(scale)
+        for t, part in zip(small, flat.split([t.numel() for t in small])):
+            t.copy_(part.view_as(t))
+    for t in tensors:
+        if t.numel() >= SMALL_GRADIENT_ELEMENTS:
+            out = to_device(t)  # the tensor itself when it is on the device already (gradients are)
+            ds_comm.all_reduce(out)
+            out.mul_(scale)
+            if out is not t:
+                t.copy_(out)
+
+
 def any_rank(flag: bool | torch.Tensor) -> bool:
     """True on every rank if ``flag`` is true on any rank: one 4-byte all-reduce, so that all ranks
     take the same branch (skip a step, stop for a signal). A collective: call it on every rank.

@@ -88,7 +88,35 @@ def bn_sync_blocker(use_bn_sync: bool, accelerator: str) -> str | None:
     )
 
 
+def precision_blocker(precision: str, accelerator: str) -> str | None:
+    """Why --precision cannot run on this machine's accelerator, else None: DeepSpeed refuses fp16 where its
+    accelerator has none (``initialize`` raises ValueError "fp16 is not supported on this device"; the CPU
+    accelerator has fp16 only with AVX512-FP16)."""
+    if precision != "fp16" or accelerator == "cuda":
+        return None
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.device_name() != accelerator or acc.is_fp16_supported():
+        return None
+    return (
+        f"--precision amp, fp16 or pure_fp16 (DeepSpeed fp16): this machine's {accelerator} accelerator has no fp16 "
+        "support "
+        "(DeepSpeed's CPU accelerator needs AVX512-FP16); use --precision amp_bf16 (bf16) or fp32"
+    )
+
+
 # ------------------------------------------------------------------------------------ the resolution
+
+
+# Up to this many ranks an fp32 run defaults to ZeRO-0, DDP's layout (every rank holds the whole optimizer state).
+# In fp32, ZeRO-1 keeps an fp32 master copy and a gradient partition beside the model's own parameters and
+# gradients: per rank 8 + 16/W bytes per parameter against ZeRO-0's 16, so it saves nothing at W = 2 (measured:
+# more, its flat buffers) and a quarter at W = 4, while it flattens every gradient into its partition, copies
+# the updated partition back and all-gathers the parameters every step (docs/benchmarks.md, "The multi-rank
+# default"). From W = 5 on (or in bf16, where ZeRO-1 saves a quarter at W = 2 and half at W = 4: its master
+# copy and moments are the partitioned part) the default partitions.
+ZERO0_FP32_MAX_RANKS = 4
 
 
 def default_preset(s: TrainSettings, world_size: int | None) -> tuple[str, str]:
@@ -97,15 +125,28 @@ def default_preset(s: TrainSettings, world_size: int | None) -> tuple[str, str]:
     ZeRO-1 (``zero1_<precision>``) partitions the optimizer state over the W ranks. One process has nothing to
     partition it with, and ZeRO-1 there still costs a flattened copy of every gradient and of every updated
     parameter per step (about 2x open_clip's step for ViT-B-32 at k=1 on a CPU, docs/benchmarks.md), so W = 1
-    defaults to ZeRO-0, unless a flag needs ZeRO: --zero-stage (then the ZeRO-1 preset's buckets with that
-    stage, as before), --coalesce-grad-reduction on (ZeRO 1-3 only) or --precision fp16 (refused on ZeRO-0).
+    defaults to ZeRO-0, and so do fp32 runs on up to ZERO0_FP32_MAX_RANKS ranks (where ZeRO-1 saves little or
+    no memory), unless a flag needs ZeRO: --zero-stage (then the ZeRO-1 preset's buckets with that stage, as
+    before), --coalesce-grad-reduction on (ZeRO 1-3 only) or --precision fp16 (refused on ZeRO-0).
     ``world_size`` None (validation, before the process group): the multi-rank default, whose checks cover
     ZeRO-0's.
     """
     p = s.dist.precision
-    if world_size != 1:
+    explicit = s.dist.zero_stage is not None or s.dist.coalesce_grad_reduction == "on"
+    if world_size is None or (
+        world_size > 1 and (explicit or p != "fp32" or world_size > ZERO0_FP32_MAX_RANKS)
+    ):
         why = f"{world_size or 'W'} ranks: ZeRO-1 partitions the optimizer state over them"
+        if world_size is not None and p == "fp32" and not explicit:
+            why += f" (fp32 runs on up to {ZERO0_FP32_MAX_RANKS} ranks default to ZeRO-0)"
         return f"zero1_{p}", why
+    if world_size > 1:
+        return f"zero0_{p}", (
+            f"{world_size} fp32 ranks: ZeRO-1 would save little or no memory per rank here (its fp32 master and "
+            "gradient partitions cost back what partitioning the moments saves) and copy every gradient and "
+            "parameter once more per step; every rank holds the whole optimizer state, as DDP does "
+            "(--zero-stage N or --ds-config NAME to choose)"
+        )
     if s.dist.zero_stage is not None:
         return f"zero1_{p}", f"one process, --zero-stage {s.dist.zero_stage} on this preset's ZeRO settings"
     if s.dist.coalesce_grad_reduction == "on":
@@ -143,6 +184,8 @@ class ResolvedDeepSpeed:
     """Why DeepSpeed cannot build --opt on ``accelerator`` (``optimizer_blocker``), else None."""
     bn_sync_blocker: str | None = None
     """Why --use-bn-sync cannot run on ``accelerator`` (``bn_sync_blocker``), else None."""
+    precision_blocker: str | None = None
+    """Why --precision cannot run on ``accelerator`` (``precision_blocker``), else None."""
 
     @property
     def config(self) -> dict[str, Any]:
@@ -152,7 +195,7 @@ class ResolvedDeepSpeed:
     def refuse_blocked(self) -> None:
         """SettingsError with the first reason this machine cannot run the settings (before DeepSpeed fails
         inside its op builder, or torch in the first forward)."""
-        for why_not in (self.optimizer_blocker, self.bn_sync_blocker):
+        for why_not in (self.precision_blocker, self.optimizer_blocker, self.bn_sync_blocker):
             if why_not is not None:
                 raise SettingsError(why_not)
 
@@ -195,6 +238,7 @@ def resolve_deepspeed(
                 o.optimizer, offloaded=zero.cpu_optimizer, accelerator=accelerator
             ),
             bn_sync_blocker=bn_sync_blocker(s.model.use_bn_sync, accelerator),
+            precision_blocker=precision_blocker(dist.precision, accelerator),
         )
     return ResolvedDeepSpeed(
         json_text=json.dumps(cfg, indent=2),

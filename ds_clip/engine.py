@@ -62,19 +62,31 @@ def resolve_geometry(s: TrainSettings, world_size: int) -> BatchGeometry:
         raise SettingsError(str(exc)) from None
 
 
-def build_model_bundle(m: ModelSettings, *, seed: int) -> ModelBundle:
+def build_model_bundle(
+    m: ModelSettings, *, seed: int, local_rank: int | None = None, resuming: bool = False
+) -> ModelBundle:
     """The open_clip model of the model section (seeded by ``seed``, the run's --seed, made DeepSpeed-safe) with
     its tokenizer and transforms; the image flags reach the model and the transforms, the locking flags freeze
-    parameters before any engine (and so any optimizer) sees them."""
+    parameters before any engine (and so any optimizer) sees them.
+
+    Published weights, configs and tokenizers (--pretrained TAG, hf-hub: models, ...) come from the cache: with
+    ``local_rank`` given (every rank of a run calls this), local rank 0 of each host fetches what its cache lacks
+    while the others wait (``fetch_once_per_host``). ``resuming``: the checkpoint holds the weights, so no
+    pretrained weights are fetched or loaded (they would be overwritten)."""
     from ds_clip.config import aug_cfg_dict
     from ds_clip.export import resolve_pretrained
     from ds_clip.model import ImageOptions, TowerLocks
 
+    if local_rank is not None:
+        fetch_once_per_host(m, is_fetcher=local_rank == 0, load_weights=not resuming)
     size = m.force_image_size
     bundle = build_model(
         m.model,
         pretrained=resolve_pretrained(m.pretrained),  # an exported folder or a weights file
         seed=seed,
+        cache_dir=m.cache_dir,
+        pretrained_image=m.pretrained_image,
+        load_weights=not resuming,
         grad_checkpointing=m.grad_checkpointing,
         image=ImageOptions(
             force_patch_dropout=m.force_patch_dropout,
@@ -107,6 +119,46 @@ def build_model_bundle(m: ModelSettings, *, seed: int) -> ModelBundle:
     return bundle
 
 
+def fetch_once_per_host(m: ModelSettings, *, is_fetcher: bool, load_weights: bool = True) -> None:
+    """Fill each host's cache once: local rank 0 fetches the published files of the student and the teacher
+    that the cache lacks (open_clip's own loaders, through ds_clip.hub.fetch) while every other rank waits in
+    one all-gather; then every rank knows whether each host's fetch worked, and all build from the cache with
+    no network call. Every rank calls it (a collective), whatever its host. Offline (HF_HUB_OFFLINE) nothing is
+    fetched: validation has already refused a cache that lacks a file. The wait is bounded by --dist-timeout."""
+    from ds_clip import distributed, hub
+
+    def needs_now() -> list[hub.Need]:
+        return hub.run_needs(
+            m.model, m.pretrained, cache_dir=m.cache_dir, pretrained_image=m.pretrained_image,
+            load_weights=load_weights, distill_model=m.distill_model, distill_pretrained=m.distill_pretrained,
+        )[0]  # fmt: skip
+
+    needs = needs_now()
+    command = hub.run_needs(
+        m.model, m.pretrained, cache_dir=m.cache_dir, pretrained_image=m.pretrained_image
+    )[1]
+    if not needs or hub.is_offline():  # the same on every rank (same flags): no collective, or one on all
+        return
+    error = None
+    if is_fetcher:
+        try:
+            hub.fetch_all(needs_now, command)
+        except hub.HubError as exc:
+            error = str(exc)
+    try:
+        errors = distributed.all_gather_object(error)
+    except (RuntimeError, distributed.dist.DistError) as exc:
+        raise hub.HubError(
+            f"waited for local rank 0 to fetch {needs[0].repo} ({type(exc).__name__}): a fetch longer than "
+            f"--dist-timeout, or a rank died; fill the cache first with `{command}`"
+        ) from None
+    first = next((e for e in errors if e), None)
+    if first is not None:
+        raise hub.HubError(first)
+    # A host whose local rank 0 fetched nothing for this rank (e.g. a different --cache-dir per rank) fails in
+    # the offline build with the cache error, never with a network call.
+
+
 def build_teacher(m: ModelSettings, student: ModelBundle, *, seed: int) -> Teacher | None:
     """The --distill-model teacher of the model section (None without it), built by the same builder as the
     student, on the CPU in fp32, frozen and in eval mode, after checking it reads the student's images and
@@ -122,7 +174,9 @@ def build_teacher(m: ModelSettings, student: ModelBundle, *, seed: int) -> Teach
     if name is None:
         return None
     with torch.random.fork_rng(devices=[]):
-        bundle = build_model(name, pretrained=resolve_pretrained(m.distill_pretrained), seed=seed)
+        bundle = build_model(
+            name, pretrained=resolve_pretrained(m.distill_pretrained), seed=seed, cache_dir=m.cache_dir
+        )
     check_teacher_fits(student, bundle, name)
     return Teacher(bundle.model, name)
 
@@ -182,6 +236,8 @@ def build_engine(
         # (a copy of the whole gradient; 605 MB per step for ViT-B-32). Averaging over one rank is the
         # identity, so skip it. (ZeRO 1-3 move gradients into their partitions in that same call: kept.)
         engine.enable_backward_allreduce = False
+    elif _reduces_in_place(engine):
+        engine.allreduce_gradients = _in_place_allreduce(engine)
     if teacher is not None:
         from ds_clip.step import input_dtype
 
@@ -192,7 +248,13 @@ def build_engine(
             distill=teacher is not None,
             local_loss=loss.local_loss,
             gather_with_grad=loss.gather_with_grad,
-            impl=resolve_impl(loss.loss_impl, geometry.global_batch),
+            impl=resolve_impl(
+                loss.loss_impl,
+                geometry.global_batch,
+                siglip=loss.siglip,
+                local_loss=loss.local_loss,
+                distill=teacher is not None,
+            ),
             tile_size=loss.loss_tile_size,
         ),
         rank=rank,
@@ -207,6 +269,49 @@ def build_engine(
     return BuiltEngine(
         engine=engine, loss_fn=loss_fn, ds_config=ds_json, caption_fn=caption_fn, teacher=teacher
     )
+
+
+def _reduces_in_place(engine) -> bool:
+    """ZeRO-0 on several ranks, fp32, DeepSpeed's plain average (no predivide, no other communication dtype):
+    where ds_clip averages the gradients itself, in place, instead of DeepSpeed's whole-gradient flatten."""
+    import torch
+
+    return (
+        engine.zero_optimization_stage() == 0
+        and engine.dp_world_size > 1
+        and not engine.bfloat16_enabled()
+        and not engine.fp16_enabled()
+        and engine.gradient_average
+        and engine.postscale_gradients()
+        and engine.gradient_predivide_factor() == 1.0
+        and engine.communication_data_type == torch.float32
+        and all(p.dtype == torch.float32 for p in engine.module.parameters() if p.requires_grad)
+    )
+
+
+def _in_place_allreduce(engine):
+    """A replacement for ``engine.allreduce_gradients`` on ZeRO-0 (``_reduces_in_place``). DeepSpeed's own flattens
+    every gradient into one 5e8-element bucket, all-reduces it and copies it back: a transient copy of the whole
+    gradient and two passes over it, a fifth of a 2-rank ViT-B-32 step on a CPU (docs/benchmarks.md). This
+    averages the same gradients in place (``distributed.average_in_place``). DeepSpeed calls it where it called
+    its own: at ``engine.step()`` in ds_clip's unmanaged accumulation, once per optimizer step, before clipping
+    and the update. A trainable parameter without a gradient gets zeros first, as DeepSpeed's does, so every
+    rank reduces the same tensors."""
+    import torch
+
+    from ds_clip.distributed import average_in_place
+
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+
+    def allreduce_gradients(bucket_size: int | None = None) -> None:
+        if not engine.is_gradient_accumulation_boundary():
+            return  # DeepSpeed's own reduces at the boundary only (managed accumulation calls it per backward)
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        average_in_place([p.grad for p in params])
+
+    return allreduce_gradients
 
 
 def _check_resolved_for(ds: ResolvedDeepSpeed, geometry: BatchGeometry, accelerator: str) -> None:

@@ -16,6 +16,9 @@ class UserError(ValueError):
     """Bad input, named in the message. Exit status 2."""
 
     exit_code = 2
+    same_on_every_rank = True
+    """Raised alike by every rank (it follows from the settings, the model or a shared file): rank 0 prints it,
+    once per job. False where ranks can differ (data read by one rank, a folder on one host): each prints."""
 
 
 class SettingsError(UserError):

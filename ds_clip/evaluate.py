@@ -2,6 +2,7 @@
 
     ds-clip-eval OUT --val-data synthetic --zeroshot-classes classes.json      # an exported folder
     ds-clip-eval ViT-B-32 --pretrained OUT/open_clip_model.safetensors --val-data 'val/{0..3}.tar'
+    ds-clip-eval ViT-B-32 --pretrained laion2b_s34b_b79k --val-data ...      # an open_clip tag (docs/pretrained.md)
 
 During training (``--val-data``, ``--val-every-n-steps``) every rank takes part: rank r embeds the
 samples with index i = r (mod W), the embeddings are gathered with their indices, so every sample
@@ -661,7 +662,7 @@ def report(run_dir: Path, step: int, metrics: dict[str, float], tb_writer=None) 
 
 
 # The flags ds-clip-eval shares with ds-clip-train, each defined once (ds_clip.config's fields).
-SHARED_FLAGS = ("pretrained", "val_data", "val_num_samples", "batch_size", "zeroshot_classes", "seed",
+SHARED_FLAGS = ("pretrained", "cache_dir", "val_data", "val_num_samples", "batch_size", "zeroshot_classes", "seed",
                 "image_key", "caption_key")  # fmt: skip
 
 
@@ -671,7 +672,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Evaluate an exported (or any open_clip) model: val loss, retrieval recall, zero-shot accuracy.",
     )
     p.add_argument(
-        "model", help="exported folder (ds-clip-export OUT), local-dir:PATH, or an open_clip model name"
+        "model",
+        help="exported folder (ds-clip-export OUT), local-dir:PATH, hf-hub:ORG/REPO, or an open_clip model name "
+        "(with --pretrained TAG|FILE)",
     )
     add_flags(p, SHARED_FLAGS, val_data={"required": True}, batch_size={"default": EVAL_BATCH_SIZE})
     p.add_argument("--out", metavar="JSON", default=None, help="also write the metrics to this file")
@@ -696,20 +699,28 @@ def main(argv: list[str] | None = None) -> int:
         name = args.model
         if Path(name).is_dir() and (Path(name) / "open_clip_config.json").is_file():
             name = f"local-dir:{name}"
+        from ds_clip.config.model_checks import check_pretrained
         from ds_clip.export import resolve_pretrained
         from ds_clip.model import build_model, load_model_cfg
 
-        try:
-            bundle = build_model(name, pretrained=resolve_pretrained(args.pretrained), seed=None)
+        if args.pretrained:
+            try:
+                check_pretrained(args.pretrained, model=name)
+            except SettingsError as exc:
+                raise EvalError(str(exc)) from exc
+        try:  # published weights: fetched into --cache-dir unless cached; offline, refused when not cached
+            bundle = build_model(
+                name, pretrained=resolve_pretrained(args.pretrained), seed=None, cache_dir=args.cache_dir
+            )
         except (RuntimeError, ValueError, FileNotFoundError) as exc:
             raise EvalError(f"cannot load model {args.model!r}: {exc}") from exc
-    except EvalError as exc:
+    except (EvalError, UserError) as exc:
         print(f"ds-clip-eval: error: {exc}", file=sys.stderr)
         return 2
     model = bundle.model.eval()
-    size = load_model_cfg(name)["vision_cfg"].get("image_size", 224)
+    size = load_model_cfg(name, args.cache_dir)["vision_cfg"].get("image_size", 224)
     s = EvalSettings(
-        **{name: getattr(args, name) for name in SHARED_FLAGS if name != "pretrained"},
+        **{name: getattr(args, name) for name in SHARED_FLAGS if name not in ("pretrained", "cache_dir")},
         image_size=size if isinstance(size, int) else size[0],
     )
     metrics = evaluate(

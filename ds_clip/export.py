@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ds_clip.checkpoint import CheckpointError, read_meta, resolve, safe_load
+from ds_clip.config import add_flags
 from ds_clip.ema import full_state_from_files
 from ds_clip.errors import UserError
 
@@ -90,10 +91,11 @@ def to_open_clip(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tenso
     return out
 
 
-def export(checkpoint: str, out: str | Path, *, ema: bool = False) -> Path:
-    """Write OUT/open_clip_config.json and OUT/open_clip_model.safetensors; return OUT. ``ema``: the weight EMA
-    of the trained parameters (--ema-decay) in place of their live values; buffers and frozen parameters, which
-    no optimizer moves, are the live ones."""
+def export(checkpoint: str, out: str | Path, *, ema: bool = False, cache_dir: str | None = None) -> Path:
+    """Write OUT/open_clip_config.json and OUT/open_clip_model.safetensors (and, for a model whose tokenizer
+    lives on the hub, that tokenizer's files: open_clip reads a local-dir: model's tokenizer from its folder);
+    return OUT. ``ema``: the weight EMA of the trained parameters (--ema-decay) in place of their live values;
+    buffers and frozen parameters, which no optimizer moves, are the live ones."""
     from safetensors.torch import save_file
 
     path = resolve(None, checkpoint)
@@ -120,11 +122,32 @@ def export(checkpoint: str, out: str | Path, *, ema: bool = False) -> Path:
         "ds_clip_weights": "ema" if ema else "live",
     }
     save_file(state, str(out / WEIGHTS_FILE), metadata=metadata)
+    tokenizer = model_cfg.get("text_cfg", {}).get("hf_tokenizer_name")
+    if tokenizer:
+        _save_hub_tokenizer(tokenizer, out, cache_dir)
     return out
 
 
+def _save_hub_tokenizer(name: str, out: Path, cache_dir: str | None) -> None:
+    """The hub tokenizer ``name`` (from the cache, fetched when missing and allowed) saved into ``out``."""
+    from ds_clip import hub
+
+    need = hub.Need(
+        f"the checkpoint's tokenizer {name}", "tokenizer", name, ("tokenizer_config.json",), cache_dir
+    )
+    command = f"python -m ds_clip.fetch --model hf-hub:{name}"
+    if hub.is_offline():
+        hub.refuse_uncached([need], command)
+    else:
+        hub.fetch([need], command)
+    from open_clip.tokenizer import HFTokenizer
+
+    with hub.offline():
+        HFTokenizer(name, cache_dir=cache_dir).tokenizer.save_pretrained(str(out))
+
+
 def resolve_pretrained(pretrained: str | None) -> str | None:
-    """--pretrained may name an exported folder: use its weights file (files pass through unchanged)."""
+    """--pretrained may name an exported folder: use its weights file (files, tags and hub names pass through)."""
     if pretrained is None:
         return None
     p = Path(pretrained).expanduser()
@@ -137,7 +160,8 @@ def resolve_pretrained(pretrained: str | None) -> str | None:
             if (p / name).is_file():
                 return str(p / name)
         raise ExportError(f"--pretrained {pretrained}: no {WEIGHTS_FILE} (or other weights) in that folder")
-    return str(p)
+    # A tag, hf-hub:ORG/REPO or URL passes through unchanged (open_clip and ds_clip.hub resolve it).
+    return str(p) if p.exists() else pretrained
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,10 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="export the weight EMA the run kept (--ema-decay) instead of the weights",
     )
+    add_flags(p, ["cache_dir"])
     args = p.parse_args(argv)
     try:
-        out = export(args.checkpoint, args.out, ema=args.ema)
-    except (CheckpointError, ExportError) as exc:
+        out = export(args.checkpoint, args.out, ema=args.ema, cache_dir=args.cache_dir)
+    except (CheckpointError, UserError) as exc:
         print(f"ds-clip-export: error: {str(exc).replace('--resume ', '')}", file=sys.stderr)
         return 2
     print(f"wrote {out / CONFIG_FILE} and {out / WEIGHTS_FILE}; load with "

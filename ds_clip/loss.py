@@ -90,15 +90,31 @@ class TeacherFeatures:
     logit_scale: torch.Tensor
 
 
-# From this global batch on the tiled loss is no slower than the dense one (docs/loss.md: 0.56x dense
-# time at N = 16k, 0.7-1.4x at 4k on a CPU) and its memory is ~1/20 of it; below, dense is used.
-TILED_FROM_N = 8192
+# From which global batch N on --loss-impl auto takes the tiled loss: where its time per forward+backward
+# falls to the dense one's (benchmarks/bench_loss.py, one CPU thread, d = 512; docs/loss.md#where-auto-switches).
+# The global CLIP loss runs tiled's symmetric path (one matmul per block for both directions): 0.64x dense time
+# at N = 1024, 0.54x at 2048, 1.0x at 4096, 0.44x at 8192. The --local-loss rows-vs-columns path (0.8-1.3x up
+# to 8192), SigLIP (1.4x at 1024-2048, 1.1x at 4096, 0.96x at 8192) and distillation (not measured below 8192)
+# cross at 8192. Memory: the tiled loss never holds an N x N matrix, so it is never the larger.
+TILED_FROM_N: dict[str, int] = {"clip": 1024, "clip_local": 8192, "siglip": 8192, "distill": 8192}
 
 
-def resolve_impl(impl: str, global_batch: int) -> str:
-    """--loss-impl auto -> 'tiled' for N >= TILED_FROM_N, else 'dense'; other values unchanged."""
+def auto_kind(*, siglip: bool, local_loss: bool, distill: bool) -> str:
+    """The key of TILED_FROM_N for a loss: which tiled path it would run."""
+    if distill:
+        return "distill"
+    if siglip:
+        return "siglip"
+    return "clip_local" if local_loss else "clip"
+
+
+def resolve_impl(
+    impl: str, global_batch: int, *, siglip: bool = False, local_loss: bool = False, distill: bool = False
+) -> str:
+    """--loss-impl auto -> 'tiled' for N >= TILED_FROM_N of this loss, else 'dense'; other values unchanged."""
     if impl == "auto":
-        return "tiled" if global_batch >= TILED_FROM_N else "dense"
+        kind = auto_kind(siglip=siglip, local_loss=local_loss, distill=distill)
+        return "tiled" if global_batch >= TILED_FROM_N[kind] else "dense"
     return impl
 
 

@@ -91,11 +91,19 @@ class ModelBundle:
     model_cfg: dict
 
 
-def load_model_cfg(name: str) -> dict:
-    """The open_clip model config (``embed_dim``, ``vision_cfg``, ``text_cfg``...) for a name."""
+def load_model_cfg(name: str, cache_dir: str | None = None) -> dict:
+    """The open_clip model config (``embed_dim``, ``vision_cfg``, ``text_cfg``...) for a name (an ``hf-hub:``
+    model's from the cache)."""
     if name.startswith("local-dir:"):
         cfg = json.loads((Path(name[len("local-dir:") :]) / "open_clip_config.json").read_text())
         return cfg["model_cfg"]
+    if name.startswith("hf-hub:"):
+        from open_clip.factory import _get_hf_config
+
+        from ds_clip.hub import offline
+
+        with offline():
+            return _get_hf_config(name[len("hf-hub:") :], cache_dir=cache_dir)["model_cfg"]
     cfg = open_clip.get_model_config(name)
     if cfg is None:
         raise ValueError(f"unknown open_clip model {name!r}")
@@ -138,6 +146,9 @@ def build_model(
     grad_checkpointing: bool = False,
     image: ImageOptions | None = None,
     locks: TowerLocks | None = None,
+    cache_dir: str | None = None,
+    pretrained_image: bool = False,
+    load_weights: bool = True,
 ) -> ModelBundle:
     """Create an open_clip model (fp32, on the CPU) plus its tokenizer and transforms.
 
@@ -146,13 +157,51 @@ def build_model(
     ``image`` goes to open_clip.create_model_and_transforms as open_clip_train passes it, so it reaches both
     the model and the transforms; ``locks`` are applied after the weights are loaded, as open_clip_train
     does, before any engine sees the model (locked parameters: ``requires_grad`` False).
+
+    Published weights (``pretrained`` an open_clip tag, ``hf-hub:ORG/REPO`` or a URL; ``name`` an ``hf-hub:``
+    model; ``pretrained_image``: timm's weights for the image tower) and hub tokenizers are fetched into
+    ``cache_dir`` by open_clip's own loaders when the cache lacks them (``ds_clip.hub.fetch``; a trainer fetches
+    once per host before this), then the model is built from the cache with no network call. ``load_weights``
+    False (a resumed run, whose checkpoint holds the weights) fetches and loads no weights at all.
     """
+    from ds_clip import hub
+
+    def needs_now() -> list[hub.Need]:
+        return hub.model_needs(
+            name,
+            pretrained,
+            cache_dir=cache_dir,
+            pretrained_image=pretrained_image,
+            load_weights=load_weights,
+        )
+
+    command = hub.fetch_command(name, pretrained, cache_dir, pretrained_image)
+    if hub.is_offline():
+        hub.refuse_uncached(needs_now(), command)
+    else:
+        hub.fetch_all(needs_now, command)  # nothing when the cache holds it all
     if seed is not None:
         torch.manual_seed(seed)
-    kwargs: dict[str, Any] = {"output_dict": True}
-    if pretrained:
+    # Resumed (load_weights False): no tower weights either (timm's, a Hugging Face text tower's); the
+    # checkpoint restores every parameter.
+    kwargs: dict[str, Any] = {
+        "output_dict": True,
+        "cache_dir": cache_dir,
+        "pretrained_image": pretrained_image and load_weights,
+        "pretrained_text": load_weights,
+    }
+    tag = hub.tag_cfg(name, pretrained) if pretrained else {}
+    if pretrained and load_weights:
         # (a local-dir: model loads the weights in its own folder; config refuses --pretrained with it)
-        kwargs["pretrained"] = pretrained
+        kwargs["pretrained"] = (
+            _local_weights(pretrained, cache_dir) if hub.is_published(pretrained) else pretrained
+        )
+    if not load_weights:
+        kwargs["load_weights"] = False
+        # open_clip would still resolve (fetch) a tag's file to read its preprocessing: give it the tag's values.
+        for key in ("mean", "std", "interpolation", "resize_mode"):
+            if key in tag:
+                kwargs[f"image_{key}"] = tag[key]  # the image flags below still win
     if image is not None:
         # None / False: open_clip's own default (a patch dropout of 0.0 is a value, so no truthiness test)
         kwargs.update(
@@ -161,7 +210,8 @@ def build_model(
     import pickle
 
     try:
-        model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(name, **kwargs)
+        with hub.offline():  # everything is in the cache now: no rank calls the network
+            model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(name, **kwargs)
     except pickle.UnpicklingError as exc:
         raise _unsafe_weights(pretrained) from exc
     if locks is not None:
@@ -169,8 +219,8 @@ def build_model(
     if grad_checkpointing:
         model.set_grad_checkpointing(True)
     context_length = image.force_context_length if image is not None else None
-    tokenizer = _tokenizer(name, context_length)
-    model_cfg = load_model_cfg(name)
+    tokenizer = _tokenizer(name, context_length, cache_dir)
+    model_cfg = load_model_cfg(name, cache_dir)
     if image is not None:
         # What open_clip built on top of the config (exports record it, so the exported folder rebuilds it).
         if image.force_quick_gelu:
@@ -192,11 +242,28 @@ def build_model(
 
 
 @functools.lru_cache(maxsize=8)
-def _tokenizer(name: str, context_length: int | None) -> Any:
+def _tokenizer(name: str, context_length: int | None, cache_dir: str | None = None) -> Any:
     # Building open_clip's tokenizer parses its 49k BPE merges (~0.3 s a build); it is read-only once built
     # (SimpleTokenizer only memoises words), so a process that builds many engines (the test harness, the
-    # benchmarks, evaluation) shares one per model name and context length.
-    return open_clip.get_tokenizer(name, context_length=context_length)
+    # benchmarks, evaluation) shares one per model name and context length. A hub tokenizer (hf_tokenizer_name)
+    # is read from the cache build_model filled: no network call.
+    from ds_clip.hub import offline
+
+    with offline():
+        return open_clip.get_tokenizer(name, context_length=context_length, cache_dir=cache_dir)
+
+
+def _local_weights(pretrained: str, cache_dir: str | None) -> str:
+    """The cached file of ``--pretrained hf-hub:ORG/REPO`` or a URL, through open_clip's own resolvers (from the
+    cache: build_model fetched it)."""
+    from open_clip.pretrained import download_pretrained_from_hf, download_pretrained_from_url
+
+    from ds_clip.hub import HF_HUB_PREFIX, offline
+
+    with offline():
+        if pretrained.startswith(HF_HUB_PREFIX):
+            return download_pretrained_from_hf(pretrained[len(HF_HUB_PREFIX) :], cache_dir=cache_dir)
+        return download_pretrained_from_url(pretrained, cache_dir=cache_dir)
 
 
 def lock_towers(model: nn.Module, locks: TowerLocks) -> None:

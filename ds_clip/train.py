@@ -14,25 +14,32 @@ torchrun --nnodes 1:2 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint HOST:
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import sys
+from collections.abc import Iterator
 
 from ds_clip.config import TrainSettings, parse_settings, settings_to_dict
 from ds_clip.errors import RunError, UserError
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Every rank parses the same command line: only rank 0 shows what argparse says about it (an error,
+    # --help), so a bad flag reads once per job, not once per rank.
+    quiet = _launcher_rank() != 0
     try:
-        settings = parse_settings(argv)
+        with _silenced(quiet):
+            settings = parse_settings(argv)
     except UserError as exc:
-        print(f"ds-clip-train: error: {exc}", file=sys.stderr)
+        _error(exc, quiet)
         return 2
     if settings.dist.dry_run:
         try:
             dry_run(settings)
         except UserError as exc:
-            print(f"ds-clip-train: error: {exc}", file=sys.stderr)
+            _error(exc, quiet)
             return 2
         return 0
     # Heavy imports (torch, deepspeed, open_clip) only after the settings are known to be good.
@@ -42,9 +49,16 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         train(settings)
-    except (UserError, RunError) as exc:  # user error -> 2, run failure -> 1 (ds_clip/errors.py)
-        print(f"ds-clip-train: error: {exc}", file=sys.stderr)
+    except UserError as exc:  # -> 2 (ds_clip/errors.py)
+        _error(exc, quiet and exc.same_on_every_rank)
         return exc.exit_code
+    except RunError as exc:  # -> 1
+        _error(exc, False)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        # Ctrl-C before the loop's stop handler was installed (start-up): nothing was trained yet.
+        _error("interrupted during start-up (SIGINT); nothing was trained or saved", quiet)
+        return 130
     except (dist.DistError, RuntimeError) as exc:
         # A collective that failed: the peer closed the connection (a rank died) or --dist-timeout passed.
         if not isinstance(exc, dist.DistError) and not _looks_like_lost_peer(str(exc)):
@@ -57,6 +71,29 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     return 0
+
+
+def _launcher_rank() -> int:
+    """This process's global rank as its launcher set it (deepspeed and torchrun: RANK; mpirun: OMPI_*/PMI_RANK;
+    srun: SLURM_PROCID), read before any process group exists; 0 for one process."""
+    for var in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+@contextlib.contextmanager
+def _silenced(quiet: bool) -> Iterator[None]:
+    if not quiet:
+        yield
+        return
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        yield
+
+
+def _error(exc: BaseException | str, quiet: bool) -> None:
+    if not quiet:
+        print(f"ds-clip-train: error: {exc}", file=sys.stderr)
 
 
 def dry_run(s: TrainSettings) -> None:
@@ -82,6 +119,7 @@ def dry_run(s: TrainSettings) -> None:
         f"# DeepSpeed JSON for world size {world_size} on the {ds.accelerator} accelerator (ds_config.json)"
     )
     print(ds.json_text)
+    _print_published(s)
     print("# dry run: the flags are good; nothing was started", flush=True)
 
 
@@ -93,6 +131,29 @@ def _k_table(s: TrainSettings) -> str:
     n, m = s.optim.global_batch_size or 0, s.optim.batch_size
     shown = [w for w in world_sizes_for(n, m) if w <= 1024]
     return ", ".join(f"W={w}: k={n // (w * m)}" for w in shown) or "none"
+
+
+def _print_published(s: TrainSettings) -> None:
+    """The published files the run reads (weights, configs, tokenizers) and whether each is cached: local rank 0
+    of each host fetches the missing ones at start; offline (HF_HUB_OFFLINE) they must all be cached."""
+    from ds_clip import hub
+
+    m = s.model
+    needs, command = hub.run_needs(
+        m.model, m.pretrained, cache_dir=m.cache_dir, pretrained_image=m.pretrained_image,
+        load_weights=s.checkpoint.resume is None, distill_model=m.distill_model,
+        distill_pretrained=m.distill_pretrained,
+    )  # fmt: skip
+    if not needs:
+        return
+    mode = (
+        "offline: read from the cache only"
+        if hub.is_offline()
+        else "fetched once per host at start if missing"
+    )
+    print(f"# published files ({mode}; `{command}` fills a cache)")
+    for n in needs:
+        print(n.describe())
 
 
 def _looks_like_lost_peer(message: str) -> bool:

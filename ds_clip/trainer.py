@@ -117,6 +117,7 @@ class Trainer:
         self.info = info = init_distributed(timeout_s=s.dist.dist_timeout)
         # Resolved once, here, and handed down: the batch geometry and the DeepSpeed side of the run.
         self.geometry, self.ds = geometry, ds = resolve_run(s, info.world_size)
+        ds.refuse_blocked()  # what this machine cannot run (fp16 on a CPU without it...): before building anything
         self.run_dir = run_dir = self._open_run_folder()
         _configure_logging(s.logging, info)
         self._log_precision()
@@ -126,7 +127,9 @@ class Trainer:
         if s.checkpoint.resume:
             checkpoint.verify_resume(run_dir, s.checkpoint.resume)
 
-        self.bundle = bundle = build_model_bundle(s.model, seed=s.data.seed)
+        self.bundle = bundle = build_model_bundle(
+            s.model, seed=s.data.seed, local_rank=info.local_rank, resuming=s.checkpoint.resume is not None
+        )
         check_tokenizer_fits(bundle.model, bundle.tokenizer, s.model.model)  # the data is tokenized by it
         # The parameter shapes are checked against a checkpoint before DeepSpeed loads it.
         shapes = checkpoint.param_shapes(bundle.model)
@@ -287,7 +290,8 @@ class Trainer:
             else None
         )
         tb = writer.scalar_sink() if writer is not None else None  # TensorBoard and W&B
-        stop = StopRequest().install()
+        # Under mpirun a signalled rank's output goes to this file (mpirun no longer relays it: docs/faults.md).
+        stop = StopRequest(output_on_signal=self.run_dir / f"stop-rank{info.rank}.log").install()
         self.engine.train()
         try:
             epoch, start_in_epoch = self.data.epoch, self.data.step_in_epoch
@@ -314,15 +318,8 @@ class Trainer:
                         self.evaluator.maybe_run(step, total, tb)
                     if step >= total:
                         break
-                    if stop.should_stop():  # every rank, every step: they all save the same step together
-                        self.checkpointer.save(step)
-                        if info.is_main:
-                            logger.info(
-                                "received %s: saved checkpoint %s at step %d; resume with the same command "
-                                "plus --resume latest --name %s",
-                                stop.signal_name, checkpoint.tag_for(step), step, s.logging.name,
-                            )  # fmt: skip
-                        return self._summary(step)
+                    if stop.agreed_stop():  # every rank, every step: they all save the same step together
+                        return self._stop(step, stop)
                     t_data = time.perf_counter()
                 else:
                     epoch, start_in_epoch = epoch + 1, 0
@@ -343,6 +340,22 @@ class Trainer:
                 step, summary.samples_seen, summary.skipped_steps, summary.final_loss, self.run_dir,
             )  # fmt: skip
         return summary
+
+    def _stop(self, step: int, stop: StopRequest) -> TrainSummary:
+        """Every rank: save ``step`` and end the run (a signal, or the launcher gone; docs/faults.md)."""
+        if self.info.is_main:
+            again = f"; {stop.reason} again stops at once" if stop.reason in ("SIGINT", "SIGTERM") else ""
+            logger.info(
+                "%s: stopping after step %d, saving a checkpoint%s (the last complete checkpoint stays usable)",
+                stop.describe(), step, again,
+            )  # fmt: skip
+        self.checkpointer.save(step)
+        if self.info.is_main:
+            logger.info(
+                "%s: saved checkpoint %s at step %d; resume with the same command plus --resume latest --name %s",
+                stop.describe(), checkpoint.tag_for(step), step, self.s.logging.name,
+            )  # fmt: skip
+        return self._summary(step)
 
     def _summary(self, step: int) -> TrainSummary:
         return TrainSummary(

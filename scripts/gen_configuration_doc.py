@@ -53,7 +53,8 @@ N = m·k·W pairs and moves the model exactly as one process would on the whole 
 - Everything that decides what a step computes comes from flags: batch sizes, accumulation,
   optimizer, learning rate, clipping, precision. ds_clip writes these keys into the resolved JSON.
 - `--precision` left out: the preset's enabled precision section decides (`zero2_bf16` -> bf16),
-  else fp32. `--ds-config` left out: `zero0_<precision>` on one rank, `zero1_<precision>` on several.
+  else fp32. `--ds-config` left out: `zero0_<precision>` on one rank and in fp32 on up to 4,
+  `zero1_<precision>` otherwise (`ds_config.default_preset`).
 
 ## The conflict rule
 

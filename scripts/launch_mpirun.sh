@@ -39,5 +39,11 @@ for v in "${forward[@]}"; do
   [[ "$v" == DS_CLIP_FORWARD_ENV || -z "${!v+x}" ]] && continue
   x_args+=(-x "$v")
 done
+# Ctrl-C or SIGTERM to mpirun: Open MPI 4 sends the ranks SIGCONT at once, SIGTERM odls_base_sigkill_timeout
+# seconds later and SIGKILL as long again after that (default 1 s: too short to save). MPI_SIGKILL_TIMEOUT
+# (default 30) is both the wait before the ranks hear of the stop and the time they have to finish the step
+# and save (docs/faults.md, "Signals"). `kill -USR1 <mpirun pid>` reaches the ranks at once (Open MPI passes
+# SIGUSR1 on) and stops them the same way.
 # shellcheck disable=SC2086  # MPI_ARGS is a list of flags
-exec mpirun -np "$NP" --bind-to none "${host_args[@]}" ${MPI_ARGS:-} "${x_args[@]}" python -m ds_clip.train "$@"
+exec mpirun -np "$NP" --bind-to none --mca odls_base_sigkill_timeout "${MPI_SIGKILL_TIMEOUT:-30}" \
+  "${host_args[@]}" ${MPI_ARGS:-} "${x_args[@]}" python -m ds_clip.train "$@"

@@ -141,3 +141,24 @@ def test_coalesce_axis_runs_one_engine_each_and_reports_both(tmp_path, capsys):
 def test_report_of_a_missing_file_is_a_clear_error(capsys, tmp_path):
     err = _error(capsys, ["--report", str(tmp_path / "nope.json")])
     assert "--report" in err and "nope.json" in err
+
+
+def test_exactness_cost_bound_and_profile_groups():
+    """The bound the cached step is held to against DeepSpeed's own accumulation, (4k - 1)/(3k), and the operator
+    groups a profiled step is split into (DeepSpeed's flatten is a copy, gloo's calls are collectives)."""
+    from benchmarks import bench_exactness_cost, profile_step
+
+    assert [round(bench_exactness_cost.bound(k), 2) for k in (1, 2, 4, 8)] == [1.0, 1.17, 1.25, 1.29]
+    groups = {
+        "aten::mm": "matmul",
+        "aten::addmm": "matmul",
+        "aten::cat": "copies",
+        "aten::copy_": "copies",
+        "aten::_fused_adamw_": "optimizer",
+        "Optimizer.step#AdamW.step": "optimizer",
+        "c10d::allreduce_": "collectives",
+        "gloo:all_reduce": "collectives",
+        "ProfilerStep*": "outside operators",
+        "aten::gelu": "rest",
+    }
+    assert {op: profile_step.group_of(op) for op in groups} == groups

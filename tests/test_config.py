@@ -70,11 +70,11 @@ def test_defaults_parse_and_resolve_to_zero1_fp32():
     )
     assert s.loss.loss_impl == "auto" and s.logging.report_to == [] and s.dist.local_rank == -1
     assert s.logging.name.endswith("-model_ds-clip-tiny-m_8-k_1") and s.logging.name[:4].isdigit()
-    cfg = resolve_ds_config(s, world_size=4)
-    assert cfg["zero_optimization"]["stage"] == 1  # default preset zero1_<precision>
+    cfg = resolve_ds_config(s, world_size=8)
+    assert cfg["zero_optimization"]["stage"] == 1  # default preset zero1_<precision> beyond 4 fp32 ranks
     assert cfg["train_micro_batch_size_per_gpu"] == 8
     assert cfg["gradient_accumulation_steps"] == 1
-    assert cfg["train_batch_size"] == 8 * 4  # m * W: accumulation is ds_clip's, not the engine's
+    assert cfg["train_batch_size"] == 8 * 8  # m * W: accumulation is ds_clip's, not the engine's
     assert cfg["bf16"]["enabled"] is False and cfg["fp16"]["enabled"] is False
     assert cfg["gradient_clipping"] == 0.0
     assert cfg["optimizer"] == {
@@ -134,17 +134,22 @@ def test_cli_overrides_preset_and_preset_overrides_defaults():
 
 
 def test_default_preset_follows_the_world_size_and_explicit_choices_stand():
-    """Without --ds-config, one process trains on ZeRO-0 (nothing to partition the optimizer state with) and
-    several on ZeRO-1; --zero-stage, --ds-config, --coalesce-grad-reduction on and fp16 keep a ZeRO preset."""
+    """Without --ds-config, one process trains on ZeRO-0 (nothing to partition the optimizer state with), fp32
+    on 2-4 ranks too (ZeRO-1 saves little or no memory there), bf16 on several ranks and fp32 on more than 4 on
+    ZeRO-1; --zero-stage, --ds-config, --coalesce-grad-reduction on and fp16 keep a ZeRO preset."""
 
     def stage(argv: list[str], world: int) -> int:
         return resolve_ds_config(parse_settings(argv), world)["zero_optimization"]["stage"]
 
     assert stage([], 1) == 0 and stage(["--precision", "bf16"], 1) == 0
-    assert stage([], 2) == 1 and stage(["--precision", "bf16"], 4) == 1
+    assert [stage([], w) for w in (2, 3, 4, 5, 8)] == [0, 0, 0, 1, 1]
+    assert stage(["--precision", "bf16"], 2) == 1 and stage(["--precision", "bf16"], 4) == 1
     preset, why = default_preset(parse_settings([]), 1)
     assert preset == "zero0_fp32" and "one process" in why
-    assert default_preset(parse_settings([]), 2)[0] == "zero1_fp32"
+    preset, why = default_preset(parse_settings([]), 2)
+    assert preset == "zero0_fp32" and "as DDP does" in why
+    assert default_preset(parse_settings([]), 8)[0] == "zero1_fp32"
+    assert stage(["--zero-stage", "1"], 2) == 1 and stage(["--coalesce-grad-reduction", "on"], 2) == 1
     assert stage(["--zero-stage", "1"], 1) == 1 and stage(["--zero-stage", "2"], 1) == 2
     assert stage(["--ds-config", "zero1_fp32"], 1) == 1 and stage(["--ds-config", "zero3_fp32"], 1) == 3
     assert stage(["--coalesce-grad-reduction", "on"], 1) == 1  # DeepSpeed coalesces on ZeRO 1-3 only
@@ -155,7 +160,8 @@ def test_default_preset_follows_the_world_size_and_explicit_choices_stand():
     # auto finds no ZeRO optimizer to coalesce on one default process, and says so.
     auto = parse_settings(["--coalesce-grad-reduction", "auto"])
     assert "ZeRO stage 0" in resolve_deepspeed(auto, 1).coalesce_fallback
-    assert resolve_deepspeed(auto, 2).coalesce_fallback is None
+    assert "ZeRO stage 0" in resolve_deepspeed(auto, 2).coalesce_fallback  # the fp32 2-rank default: ZeRO-0
+    assert resolve_deepspeed(auto, 8).coalesce_fallback is None
     # The resolved value says which preset and why (the start-up log line), and nothing when it was chosen.
     resolved = resolve_deepspeed(parse_settings([]), 1)
     assert (resolved.preset, resolved.default_reason) == default_preset(parse_settings([]), 1)
@@ -230,8 +236,9 @@ def test_argparse_type_errors_exit_2():
         (["--train-data", "/nonexistent/shard-{000..003}.tar"], "/nonexistent/shard-{000..003}.tar"),
         (["--val-data", "/nonexistent/val.tar"], "--val-data"),
         (["--pretrained", "/nonexistent/weights.pt"], "--pretrained"),
-        (["--pretrained", "https://example.com/w.pt"], "--pretrained"),
+        (["--pretrained", "ftp://example.com/w.pt"], "--pretrained"),
         (["--pretrained", "openai"], "--pretrained"),
+        (["--model", "ViT-B-16", "--pretrained", "laion2b_s34b_b79k"], "a tag of ViT-B-32"),
         (["--model", "local-dir:/nonexistent"], "--model"),
         (["--resume", "latest"], "--name"),
         (["--resume", "/nonexistent/ckpt"], "--resume"),

@@ -275,3 +275,54 @@ def test_text_tower_smaller_than_its_tokenizer_is_exit_2(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert "64 token embeddings" in proc.stderr and "text_cfg.vocab_size" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args", [["--batch-size", "0"], ["--no-such-flag"], ["--help"]])
+def test_only_rank_0_speaks_about_the_command_line(args):
+    """Every rank parses the same command line: a bad flag (ds_clip's check or argparse's), or --help, is
+    printed by rank 0 only (RANK as deepspeed and torchrun set it, OMPI_COMM_WORLD_RANK as mpirun, SLURM_PROCID
+    as srun), so a job shows it once. Every rank exits with the same status."""
+    for var in ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        for rank, quiet in (("0", False), ("1", True)):
+            env = {**_env(), var: rank}
+            p = subprocess.run(
+                [sys.executable, "-m", "ds_clip.train", *args], cwd=ROOT, env=env, capture_output=True,
+                text=True, timeout=120,
+            )  # fmt: skip
+            assert p.returncode == (0 if args == ["--help"] else 2), p.stderr[-2000:]
+            assert "Traceback" not in p.stderr
+            said = (p.stdout + p.stderr).strip()
+            assert (said == "") == quiet, (var, rank, said[-2000:])
+
+
+def _fp16_supported() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() != "cpu" or get_accelerator().is_fp16_supported()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.skipif(_fp16_supported(), reason="this machine's accelerator runs fp16")
+def test_fp16_on_a_cpu_without_it_is_one_line_once_per_job(model_dir, tmp_path):
+    """`--precision amp` (DeepSpeed fp16) under `deepspeed --num_gpus 2` on a CPU without AVX512-FP16: one
+    `ds-clip-train: error:` line for the whole job, naming --precision and what to use instead, exit 2, no
+    traceback (DeepSpeed's own `ValueError` traceback came from every rank). DeepSpeed's launch.py still adds
+    its own line naming the rank's command and status 2 (docs/faults.md)."""
+    args = _train_args(model_dir, tmp_path, "fp16", "--precision", "amp")
+    cmd = [
+        "deepspeed",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        "--module",
+        "ds_clip.train",
+        *args,
+    ]
+    p = _run(cmd)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out[-4000:]
+    errors = [line for line in out.splitlines() if "ds-clip-train: error:" in line]
+    assert len(errors) == 1 and "--precision amp" in errors[0] and "amp_bf16" in errors[0], out[-4000:]
+    assert "Traceback" not in out

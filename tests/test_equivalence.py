@@ -309,7 +309,8 @@ def _bn_spec(models: dict[str, str], stage: int) -> RunSpec:
 @pytest.mark.parametrize("stage", range(4))
 def test_gradient_reductions_per_step(stage, runs):
     """Gradient reduction passes per optimizer step (DeepSpeed's comms logger, W=2, k=1 and k=4):
-    ZeRO-0 and ZeRO-1 reduce once per step whatever k (engine.step() is the only boundary); ZeRO-2
+    ZeRO-0 (ds_clip's in-place average: this test model's tensors are all small, so they travel in one flattened
+    message) and ZeRO-1 reduce once per step whatever k (engine.step() is the only boundary); ZeRO-2
     and ZeRO-3 keep gradients partitioned between backward passes, so they reduce once per
     micro-batch. With --coalesce-grad-reduction on (ZeRO 1-3: DeepSpeed's coalesce_grad_reduction() around
     the k backwards) every stage reduces once per step, whatever k."""

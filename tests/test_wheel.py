@@ -200,7 +200,7 @@ def test_console_script_help_and_default_preset_train(fresh):
     assert "--accum-freq" in helped.stdout and "--ds-config" in helped.stdout
     assert not (bin_dir / "ds-clip-bench").exists()
 
-    # No --ds-config, one process: the default preset (zero0_fp32 alone, zero1_fp32 with more ranks; the
+    # No --ds-config, one process: the default preset (zero0_fp32 alone and in fp32 on up to 4 ranks; the
     # wheel once lacked it).
     logs = fresh["cwd"] / "logs"
     proc = _run([bin_dir / "ds-clip-train", "--model", fresh["model"], "--logs", logs, "--name", "default",

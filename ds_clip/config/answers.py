@@ -15,16 +15,6 @@ from ds_clip.errors import SettingsError
 # option -> (takes a value?, the answer). With the settings fields this covers every option of open_clip_train
 # 3.3.0's parser (tests/test_open_clip_flags.py walks that parser).
 ANSWERED: dict[str, tuple[bool, str]] = {
-    "--cache-dir": (
-        True,
-        "ds_clip downloads nothing (no model, tokenizer or weight downloads): pass local weights with "
-        "--pretrained FILE|DIR or a model folder with --model local-dir:DIR",
-    ),
-    "--pretrained-image": (
-        False,
-        "ds_clip downloads no ImageNet weights for the image tower: load a whole model's weights with "
-        "--pretrained FILE|DIR",
-    ),
     "--torchscript": (
         False,
         "DeepSpeed trains the eager module, which torch.jit.script would replace: use --torchcompile (or "

@@ -13,16 +13,54 @@ from ds_clip.config.fields import BUILTIN_MODELS, LOCAL_DIR_PREFIX
 from ds_clip.config.flags import flag_named
 from ds_clip.config.sections import ModelSettings, TrainSettings
 from ds_clip.errors import SettingsError
+from ds_clip.hub import HF_HUB_PREFIX
 
 
-def check_model(m: ModelSettings) -> None:
+def check_model(m: ModelSettings, *, resuming: bool = False) -> None:
+    """--model, --pretrained and what they fetch: a known name and tag; offline, every file in the cache."""
     _check_model_name(m.model, m.pretrained)
+    if m.pretrained:
+        check_pretrained(m.pretrained, model=m.model)
+    check_published(m.model, m.pretrained, m, load_weights=not resuming)
+
+
+def check_published(
+    model: str,
+    pretrained: str | None,
+    m: ModelSettings,
+    *,
+    load_weights: bool = True,
+    pretrained_image: bool | None = None,
+    flags: tuple[str, str] = ("--model", "--pretrained"),
+) -> None:
+    """Offline (HF_HUB_OFFLINE=1): every published file the model needs is in the cache, else one line naming
+    the tag or repo, the file, the cache folder and the command that fills it. Online this looks at nothing
+    (the run fetches at start). Skipped for the built-in models without published weights (no open_clip
+    import)."""
+    image = m.pretrained_image if pretrained_image is None else pretrained_image
+    local = pretrained is not None and not is_published(pretrained) and Path(pretrained).expanduser().exists()
+    if model in BUILTIN_MODELS and (not pretrained or local) and not image:
+        return
+    from ds_clip import hub
+
+    if not hub.is_offline():
+        return
+    needs = hub.model_needs(
+        model, pretrained, cache_dir=m.cache_dir, pretrained_image=image, load_weights=load_weights,
+        model_flag=flags[0], pretrained_flag=flags[1],
+    )  # fmt: skip
+    hub.refuse_uncached(needs, hub.fetch_command(model, pretrained, m.cache_dir, image))
+
+
+def is_published(pretrained: str) -> bool:
+    return pretrained.startswith(HF_HUB_PREFIX) or "://" in pretrained
 
 
 def _check_model_name(
     model: str, pretrained: str | None, flag: str = "--model", pretrained_flag: str = "--pretrained"
 ) -> None:
-    """A model name (built in, open_clip's, or local-dir: with its config) and its weights flag."""
+    """A model name (built in, open_clip's, hf-hub:ORG/REPO, or local-dir: with its config) and its weights
+    flag."""
     if model in BUILTIN_MODELS:
         return
     if model.startswith(LOCAL_DIR_PREFIX):
@@ -36,13 +74,30 @@ def _check_model_name(
                 "(open_clip_model.safetensors) instead"
             )
         return
+    if model.startswith(HF_HUB_PREFIX):
+        need(
+            _is_repo_id(model[len(HF_HUB_PREFIX) :]),
+            f"{flag} {model}: name a hub repo as hf-hub:ORG/REPO (e.g. hf-hub:timm/ViT-B-16-SigLIP)",
+        )
+        # open_clip ignores pretrained= for hf-hub: and loads the repo's own weights.
+        need(
+            not pretrained,
+            f"{pretrained_flag} is ignored with {flag} {model}: the repo brings its own weights; drop "
+            f"{pretrained_flag}",
+        )
+        return
     import open_clip  # only for names we do not know ourselves (a few seconds)
 
     if model not in open_clip.list_models():
         raise SettingsError(
             f"{flag} {model!r} is unknown: use {', '.join(BUILTIN_MODELS)}, an open_clip model name "
-            "(open_clip.list_models()), or local-dir:PATH"
+            "(open_clip.list_models()), hf-hub:ORG/REPO or local-dir:PATH"
         )
+
+
+def _is_repo_id(repo: str) -> bool:
+    parts = repo.split("/")
+    return len(parts) == 2 and all(parts)
 
 
 # The weight files open_clip loads from a local-dir: folder (open_clip_model.safetensors first).
@@ -64,7 +119,9 @@ def check_distill(s: TrainSettings) -> None:
         "loss only; drop one of them",
     )
     if m.distill_pretrained:
-        check_pretrained(m.distill_pretrained, "--distill-pretrained")
+        check_pretrained(m.distill_pretrained, "--distill-pretrained", model=m.distill_model)
+    elif m.distill_model.startswith(HF_HUB_PREFIX):
+        pass  # the repo brings its weights (fetched and checked like the student's)
     elif m.distill_model.startswith(LOCAL_DIR_PREFIX):
         folder = Path(m.distill_model[len(LOCAL_DIR_PREFIX) :]).expanduser()
         need(
@@ -74,9 +131,14 @@ def check_distill(s: TrainSettings) -> None:
         )
     else:
         raise SettingsError(
-            f"--distill-model {m.distill_model} needs --distill-pretrained (its weights; ds_clip downloads "
-            "nothing): a teacher with random weights teaches nothing"
+            f"--distill-model {m.distill_model} needs --distill-pretrained (its weights: a tag such as openai, "
+            "hf-hub:ORG/REPO, a URL or a file): a teacher with random weights teaches nothing"
         )
+    # The teacher is never resumed from a checkpoint: its weights are always loaded.
+    check_published(
+        m.distill_model, m.distill_pretrained, m, pretrained_image=False,
+        flags=("--distill-model", "--distill-pretrained"),
+    )  # fmt: skip
 
 
 def check_model_flags(m: ModelSettings) -> None:
@@ -140,7 +202,8 @@ def aug_cfg_dict(words: list[str]) -> dict[str, Any]:
     return out
 
 
-def check_pretrained(pretrained: str, flag: str = "--pretrained") -> None:
+def check_pretrained(pretrained: str, flag: str = "--pretrained", *, model: str | None = None) -> None:
+    """A local file or folder, hf-hub:ORG/REPO, an http(s) URL, or an open_clip tag of ``model``."""
     path = Path(pretrained).expanduser()
     if path.is_dir():
         # An exported folder (ds-clip-export): the trainer loads its open_clip_model.safetensors.
@@ -151,11 +214,24 @@ def check_pretrained(pretrained: str, flag: str = "--pretrained") -> None:
         return
     if path.exists():
         return
-    if "://" in pretrained or pretrained.startswith("hf-hub:"):
-        raise SettingsError(
-            f"{flag} {pretrained!r}: only local files or folders are loaded, not URLs or hubs"
+    if pretrained.startswith(HF_HUB_PREFIX):
+        need(
+            _is_repo_id(pretrained[len(HF_HUB_PREFIX) :]),
+            f"{flag} {pretrained}: name a hub repo as hf-hub:ORG/REPO",
         )
-    raise SettingsError(
-        f"{flag} {pretrained!r}: no such file or folder (ds_clip loads local weights only; "
-        "open_clip tags like 'openai' are not downloaded)"
-    )
+        return
+    if "://" in pretrained:
+        need(
+            pretrained.split("://", 1)[0] in ("http", "https"),
+            f"{flag} {pretrained}: only http(s) URLs are fetched (open_clip's download_pretrained_from_url)",
+        )
+        return
+    if model is None or model in BUILTIN_MODELS or model.startswith((LOCAL_DIR_PREFIX, HF_HUB_PREFIX)):
+        raise SettingsError(
+            f"{flag} {pretrained!r}: no such file or folder, and {model or 'this model'} has no open_clip tags "
+            "(tags such as laion2b_s34b_b79k belong to open_clip model names: open_clip.list_pretrained())"
+        )
+    from ds_clip import hub
+
+    if not hub.tag_cfg(model, pretrained):
+        raise SettingsError(str(hub.unknown_tag(model, pretrained, flag)))

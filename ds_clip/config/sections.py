@@ -30,13 +30,24 @@ class ModelSettings:
     model: str = opt(
         "ds-clip-tiny", metavar="NAME", open_clip="differs: adds the built-in tiny models; default RN50 there"
     )
-    """"ds-clip-tiny", "ds-clip-tiny-siglip" (built in, no download), an open_clip model name, or
-    "local-dir:PATH" (a folder holding open_clip_config.json and, optionally, weights)."""
+    """"ds-clip-tiny", "ds-clip-tiny-siglip" (built in, no download), an open_clip model name,
+    "hf-hub:ORG/REPO" (a hub repo holding open_clip_config.json and weights), or "local-dir:PATH" (a folder
+    holding open_clip_config.json and, optionally, weights)."""
     pretrained: str | None = opt(
-        None, metavar="PATH", open_clip="differs: local files and folders only; open_clip also downloads tags"
+        None,
+        metavar="TAG|PATH",
+        open_clip="differs: also hf-hub:ORG/REPO, a URL and an exported folder; fetched once per host",
     )
-    """Local weights file or folder (an export) for a named model. URLs and hub tags are refused (no
-    downloads); not with local-dir: (put the weights in that folder)."""
+    """Weights of a named model: an open_clip tag ("laion2b_s34b_b79k", "openai": open_clip.list_pretrained()),
+    "hf-hub:ORG/REPO", a URL, or a local weights file or folder (an export). Published weights are fetched
+    once per host into the cache (--cache-dir) and read from it by every rank (docs/pretrained.md); not with
+    local-dir: or hf-hub: models (they bring their own weights)."""
+    cache_dir: str | None = opt(None, metavar="DIR", default_text="huggingface_hub's cache (HF_HUB_CACHE)")
+    """Cache folder of published weights, configs and tokenizers (open_clip's cache_dir). Offline
+    (HF_HUB_OFFLINE=1) a run reads only this cache and refuses what it lacks."""
+    pretrained_image: bool = opt(False)
+    """Start a timm image tower from timm's ImageNet weights when no whole-model weights are loaded (open_clip's
+    pretrained_image)."""
     grad_checkpointing: bool = opt(False)
     """Recompute tower activations in backward (open_clip's set_grad_checkpointing): less memory, more
     compute."""
@@ -111,10 +122,10 @@ class ModelSettings:
     (same image size, mean/std, tokenizer) and hold trained weights; it runs in eval mode, in the run's
     precision, outside the optimizer and the checkpoints."""
     distill_pretrained: str | None = opt(
-        None, metavar="PATH", open_clip="differs: local files and folders only; open_clip also downloads tags"
+        None, metavar="TAG|PATH", open_clip="differs: also hf-hub:ORG/REPO, a URL and an exported folder"
     )
-    """Local weights file or folder of the --distill-model teacher (as --pretrained); needed for a named
-    teacher, not with local-dir: (its folder holds the weights)."""
+    """Weights of the --distill-model teacher, as --pretrained (a tag such as "openai", hf-hub:, a URL, a file
+    or folder); needed for a named teacher, not with local-dir: or hf-hub: teachers (they bring their own)."""
 
 
 @dataclass
@@ -297,7 +308,8 @@ class LossSettings:
     """Sigmoid (SigLIP) loss instead of the softmax CLIP loss."""
     loss_impl: str = opt("auto", choices=LOSS_IMPLS, open_clip="ds_clip only")
     """"dense" (whole logit matrix in memory), "tiled" (blocks of it, O(tile*N) memory) or "auto": tiled
-    from a global batch of 8192 pairs on, where it is also the faster one (docs/loss.md), dense below."""
+    from the global batch on where it is also the faster one on a CPU (docs/loss.md): 1024 pairs for the global
+    CLIP loss, 8192 for --local-loss, SigLIP and distillation; dense below."""
     loss_tile_size: int = opt(4096, metavar="PAIRS", unit="pairs", open_clip="ds_clip only")
     """Rows and columns of one block of the logit matrix in the tiled loss: memory grows as tile x N."""
     coca_contrastive_loss_weight: float = opt(1.0, metavar="W")
@@ -493,12 +505,13 @@ class DistSettings:
     ds_config: str | None = opt(
         None,
         metavar="NAME|PATH",
-        default_text="zero1_<precision>; zero0_<precision> on 1 rank",
+        default_text="zero0_<precision> on 1 rank and fp32 on up to 4; zero1_<precision> beyond",
         open_clip="ds_clip only",
     )
-    """DeepSpeed preset name (ds_configs/<name>.json) or path to a JSON of engine settings. Left out: ZeRO-1 on
-    several ranks; ZeRO-0 on one (nothing to partition), unless --zero-stage, --coalesce-grad-reduction on or
-    fp16 asks for ZeRO (ds_config.default_preset; the start-up log says which and why)."""
+    """DeepSpeed preset name (ds_configs/<name>.json) or path to a JSON of engine settings. Left out: ZeRO-0 on
+    one rank (nothing to partition) and in fp32 on up to 4 (where ZeRO-1 saves little or no memory), ZeRO-1
+    otherwise; --zero-stage, --coalesce-grad-reduction on or fp16 asks for ZeRO (ds_config.default_preset; the
+    start-up log says which and why)."""
     zero_stage: int | None = opt(
         None, metavar="{0,1,2,3}", default_text="the preset's", open_clip="ds_clip only"
     )

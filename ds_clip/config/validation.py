@@ -21,7 +21,7 @@ from ds_clip.config.checks import (
     check_shards,
     need,
 )
-from ds_clip.config.model_checks import check_distill, check_model, check_model_flags, check_pretrained
+from ds_clip.config.model_checks import check_distill, check_model, check_model_flags
 from ds_clip.config.sections import CheckpointSettings, LoggingSettings, TrainSettings
 from ds_clip.ds_config import check_preset
 
@@ -38,9 +38,7 @@ def validate(s: TrainSettings) -> None:
     if s.data.train_data and s.data.dataset_type != "csv":  # a CSV path is a file, not a shard pattern
         check_shards("--train-data", s.data.train_data)
     check_eval(s.eval, batch_size=s.optim.batch_size)
-    if s.model.pretrained:
-        check_pretrained(s.model.pretrained)
-    check_model(s.model)
+    check_model(s.model, resuming=s.checkpoint.resume is not None)
     check_model_flags(s.model)
     check_distill(s)
     _check_resume(s.checkpoint, s.logging)

@@ -15,6 +15,13 @@ states, so
   the order in which samples are processed, or a restart;
 - nothing else in the worker or the training process (workers=0) sees its generators move.
 
+Cost: saving and restoring numpy's global generator costs about 150 us per sample (its state is copied
+through Python objects), as much as the crop itself on a 64 px image. So the wrapper reseeds only the
+generators the transform can draw from: `generators_drawn` reads a Compose of torchvision's v1 transforms and
+open_clip's own (open_clip's default train transform draws from torch's alone) and answers all three for
+anything it does not know. A sample's tensor is the same either way: the seeds are the same, and a generator
+the transform never draws from cannot change its output.
+
 Limits: a transform that keeps its own generator object (a `torch.Generator`, `random.Random`,
 `np.random.Generator` / `RandomState` instance) is not reseeded by this; nor are device (CUDA)
 generators, since transforms run on the CPU. None of open_clip's, torchvision's or timm's per-sample
@@ -51,6 +58,82 @@ def sample_seeds(seed: int, epoch: int, sample: SampleId) -> tuple[int, int, np.
     )
 
 
+ALL_GENERATORS: frozenset[str] = frozenset({"torch", "python", "numpy"})
+
+# Classes whose __call__ draws from no generator, or only from the ones named, by "module.qualname" of the exact
+# type (a user's subclass lives in the user's module and is treated as unknown). torchvision's v1 random
+# transforms draw from torch's generator (torch.rand, torch.randint, torch.empty().uniform_); RandomOrder and
+# RandomChoice also from Python's `random`; open_clip's SimCLR jitter and grayscale and its ResizeKeepRatio
+# from Python's `random`. Containers add what their members draw.
+_TV = "torchvision.transforms.transforms."
+_DRAWS: dict[str, frozenset[str]] = {
+    **{
+        _TV + name: frozenset()
+        for name in (
+            "Compose",
+            "ToTensor",
+            "PILToTensor",
+            "ConvertImageDtype",
+            "ToPILImage",
+            "Normalize",
+            "Resize",
+            "CenterCrop",
+            "Pad",
+            "FiveCrop",
+            "TenCrop",
+            "LinearTransformation",
+            "Grayscale",
+        )
+    },  # fmt: skip
+    **{
+        _TV + name: frozenset({"torch"})
+        for name in (
+            "RandomApply",
+            "RandomCrop",
+            "RandomHorizontalFlip",
+            "RandomVerticalFlip",
+            "RandomPerspective",
+            "RandomResizedCrop",
+            "ColorJitter",
+            "RandomRotation",
+            "RandomAffine",
+            "RandomGrayscale",
+            "RandomErasing",
+            "GaussianBlur",
+            "RandomInvert",
+            "RandomPosterize",
+            "RandomSolarize",
+            "RandomAdjustSharpness",
+            "RandomAutocontrast",
+            "RandomEqualize",
+            "ElasticTransform",
+        )
+    },  # fmt: skip
+    _TV + "RandomOrder": frozenset({"torch", "python"}),
+    _TV + "RandomChoice": frozenset({"torch", "python"}),
+    "open_clip.transform.MaybeConvertMode": frozenset(),
+    "open_clip.transform.MaybeToTensor": frozenset(),
+    "open_clip.transform.CenterCropOrPad": frozenset(),
+    "open_clip.transform.ResizeKeepRatio": frozenset({"python"}),
+    "open_clip.transform.color_jitter": frozenset({"python"}),
+    "open_clip.transform.gray_scale": frozenset({"python"}),
+}
+
+
+def generators_drawn(transform: Any) -> frozenset[str]:
+    """The global generators ("torch", "python", "numpy") `transform` can draw from; all three when unsure."""
+    cls = type(transform)
+    key = f"{cls.__module__}.{cls.__qualname__}"
+    if key not in _DRAWS:
+        return ALL_GENERATORS
+    drawn = set(_DRAWS[key])
+    for member in getattr(transform, "transforms", ()):  # Compose, RandomApply, RandomOrder, RandomChoice
+        drawn |= generators_drawn(member)
+        if drawn == ALL_GENERATORS:
+            break
+    return frozenset(drawn)
+
+
 class SeededTransform:
     """`transform(image)` with the global torch (CPU), `random` and numpy generators seeded per sample.
 
@@ -63,25 +146,33 @@ class SeededTransform:
             transform = transform.transform  # never seed twice: the outer seed decides
         self.transform = transform
         self.seed = int(seed)
+        self.generators = generators_drawn(transform)
 
     def __call__(self, image: Any, *, epoch: int, sample: SampleId) -> torch.Tensor:
         torch_gen = torch.default_generator  # CPU only: torch.manual_seed would also reseed CUDA
-        saved_torch = torch_gen.get_state()
-        saved_python = random.getstate()
-        saved_numpy = np.random.get_state()
+        use_torch, use_python, use_numpy = (name in self.generators for name in ("torch", "python", "numpy"))
+        saved_torch = torch_gen.get_state() if use_torch else None
+        saved_python = random.getstate() if use_python else None
+        saved_numpy = np.random.get_state() if use_numpy else None
         try:
             torch_seed, python_seed, numpy_seed = sample_seeds(self.seed, epoch, sample)
-            torch_gen.manual_seed(torch_seed)
-            random.seed(python_seed)
-            np.random.seed(numpy_seed)
+            if use_torch:
+                torch_gen.manual_seed(torch_seed)
+            if use_python:
+                random.seed(python_seed)
+            if use_numpy:
+                np.random.seed(numpy_seed)
             return self.transform(image)
         finally:
-            torch_gen.set_state(saved_torch)
-            random.setstate(saved_python)
-            np.random.set_state(saved_numpy)
+            if saved_torch is not None:
+                torch_gen.set_state(saved_torch)
+            if saved_python is not None:
+                random.setstate(saved_python)
+            if saved_numpy is not None:
+                np.random.set_state(saved_numpy)
 
     def __repr__(self) -> str:
         return f"SeededTransform(seed={self.seed}, transform={self.transform!r})"
 
 
-__all__ = ["SampleId", "SeededTransform", "sample_seeds"]
+__all__ = ["ALL_GENERATORS", "SampleId", "SeededTransform", "generators_drawn", "sample_seeds"]

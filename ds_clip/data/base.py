@@ -24,6 +24,8 @@ logger = logging.getLogger("ds_clip.data")
 class DataError(UserError):
     """Bad data settings or unusable data; the message names the flag, file or pattern."""
 
+    same_on_every_rank = False  # each rank reads its own shards and rows: every rank says what it found
+
 
 def check_data_settings(settings: DataSettings) -> None:
     """The data section's rules (ds_clip.config.check_data) as a DataError, plus what a loader needs

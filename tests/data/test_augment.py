@@ -21,10 +21,11 @@ import numpy as np
 import open_clip
 import pytest
 import torch
+import torchvision.transforms as T
 from PIL import Image
 from timm.data import create_transform
 
-from ds_clip.data.augment import SeededTransform
+from ds_clip.data.augment import ALL_GENERATORS, SeededTransform, generators_drawn
 from ds_clip.data.loader import DataSettings, build_train_data
 from ds_clip.data.synthetic import SyntheticCaptions, render_pair
 from ds_clip.data.wds import SkipCounter, expand_urls, iter_shard
@@ -347,3 +348,41 @@ def test_wds_resampled_repeats_of_a_sample_in_an_epoch_get_its_one_draw(tmp_path
                 assert torch.equal(image, expected[detok(tokens)])
                 seen += 1
     assert seen == 40  # 8 samples drawn 40 times: every repeat is the same (seed, epoch, sample) draw
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Only the generators a transform draws from are reseeded (numpy's save and restore costs ~150 us a sample)
+
+
+@pytest.mark.filterwarnings("ignore:Unused augmentation cfg items")
+def test_generators_drawn_reads_known_transforms_and_assumes_all_for_the_rest():
+    assert generators_drawn(TRANSFORMS["open_clip_default"]()) == {"torch"}
+    assert generators_drawn(TRANSFORMS["open_clip_simclr"]()) == {"torch", "python"}
+    assert generators_drawn(TRANSFORMS["open_clip_timm_aug"]()) == ALL_GENERATORS  # timm classes: unknown
+    assert generators_drawn(TRANSFORMS["timm_randaugment"]()) == ALL_GENERATORS
+    assert generators_drawn(open_clip.image_transform(SIZE, is_train=False)) == frozenset()
+    assert generators_drawn(T.RandomChoice([T.Resize(8), T.CenterCrop(8)])) == {"torch", "python"}
+    assert (
+        generators_drawn(T.Compose([T.RandomApply([T.Lambda(lambda x: x)]), T.ToTensor()])) == ALL_GENERATORS
+    )
+
+    class MyCrop(T.RandomResizedCrop):  # a subclass may draw from anything
+        pass
+
+    assert generators_drawn(T.Compose([MyCrop(8), T.ToTensor()])) == ALL_GENERATORS
+    assert generators_drawn(lambda image: image) == ALL_GENERATORS
+
+
+@pytest.mark.filterwarnings("ignore:Unused augmentation cfg items")
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_reseeding_fewer_generators_gives_the_pixels_of_reseeding_all(name):
+    transform = TRANSFORMS[name]()
+    image = noise_image()
+    fewer = SeededTransform(transform, seed=3)
+    every = SeededTransform(transform, seed=3)
+    every.generators = ALL_GENERATORS
+    for sample in (0, 7, ("shard.tar", "x")):
+        torch.manual_seed(5), random.seed(5), np.random.seed(5)
+        want = every(image, epoch=1, sample=sample)
+        torch.manual_seed(6), random.seed(6), np.random.seed(6)
+        assert torch.equal(fewer(image, epoch=1, sample=sample), want)

@@ -120,3 +120,18 @@ def test_leftover_is_logged_and_too_small_epoch_is_an_error(caplog):
         build_train_data(DataSettings(dataset_type="synthetic"), **kwargs)
     with pytest.raises(DataError, match="--dataset-type"):
         build_train_data(DataSettings(dataset_type="csv", train_num_samples=8), **kwargs)
+
+
+def test_tokens_are_cached_per_caption_and_equal_the_tokenizers():
+    calls: list[str] = []
+
+    def counting(texts: list[str]):
+        calls.extend(texts)
+        return byte_tokenizer(texts)
+
+    ds = SyntheticCaptions(seed=3, preprocess=PREPROCESS, tokenizer=counting)
+    captions = [ds.caption(i) for i in range(200)]
+    for i in range(200):
+        assert torch.equal(ds[i][1], torch.as_tensor(byte_tokenizer([captions[i]])[0]))
+    assert sorted(calls) == sorted(set(captions))  # each distinct caption tokenized once
+    assert len(set(captions)) < 200

@@ -263,7 +263,7 @@ def _preempt(args: list[str], sig: signal.Signals, at_line: str) -> tuple[int, s
 
 @pytest.fixture(scope="module")
 def reference(model_dir, tmp_path_factory) -> Path:
-    """An unfaulted 2-rank run (6 steps, fp32, ZeRO-1, checkpoints every 2 steps): what a faulted and
+    """An unfaulted 2-rank run (6 steps, fp32, the default preset, checkpoints every 2 steps): what a faulted and
     resumed run must reach exactly."""
     logs = tmp_path_factory.mktemp("reference")
     ran = _ranks_by_hand(_args(model_dir, logs, "ref", "--save-every-n-steps", "2"), logs / "out")
@@ -398,7 +398,7 @@ def test_sigterm_then_sigint_to_the_ranks_save_and_exit_cleanly(model_dir, tmp_p
         assert rc == 0, out[-4000:]
         if resume:
             assert f"at step {stops[-1]}" in out, out[-3000:]
-        said = [line for line in out.splitlines() if f"received {sig.name}" in line]
+        said = [line for line in out.splitlines() if f"received {sig.name}: saved" in line]
         assert len(said) == 1, out[-4000:]
         assert "resume with" in said[0] and "--resume latest" in said[0] and "--name preempt" in said[0]
         m = re.search(r"saved checkpoint (step_\d+) at step (\d+)", said[0])

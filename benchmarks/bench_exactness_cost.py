@@ -1,0 +1,243 @@
+"""The price of exactness: ds_clip's cached step against DeepSpeed's own gradient accumulation, same k and m.
+
+Run from the repository root (about 3 minutes on 2 quiet CPU cores for ViT-B-32 at 64 px):
+
+    python benchmarks/bench_exactness_cost.py --model ViT-B-32 --image-size 64 --batch-size 4 \\
+        --k 2 4 8 --world-sizes 1 2 --json docs/bench/exactness_cost_cpu.json
+
+Quick look: ``python benchmarks/bench_exactness_cost.py --model ds-clip-tiny --k 2 --world-sizes 1 --steps 1``
+
+Both sides train k micro-batches of m pairs per rank and take one optimizer step:
+
+* **cached**: ``ds_clip.step.cached_step`` on the engine ``ds-clip-train`` builds (its default preset for W),
+  whose loss sees all N = W·k·m pairs: a no-grad forward of every micro-batch, the loss once, then micro-batch
+  0's kept graph and k − 1 recomputed forwards, each with its backward.
+* **plain**: the same preset, optimizer and model under DeepSpeed's own ``gradient_accumulation_steps = k``
+  (its managed accumulation, ``engine.set_train_batch_size(k·m·W)``): per micro-batch a forward, open_clip's
+  ``ClipLoss`` over the m·W pairs of that micro-batch (so its negatives are m·W, not N), ``engine.backward``
+  and ``engine.step()`` (which updates at the k-th). This is what a user gets without ds_clip's step.
+
+Encoder work per step, with a backward costing two forwards: plain 3k forward-equivalents, cached 4k − 1 (the
+no-grad pass of micro-batch 0 is kept with its graph, so it is not recomputed). The optimizer step, paid once by
+both, only lowers the ratio; so the measured ratio should stay at or under (4k − 1) / (3k) (1.17 at k = 2,
+1.25 at k = 4, 1.29 at k = 8). The loss over N instead of k losses over m·W adds N² − k·(m·W)² logits, which is
+small at these m and reported as part of the ratio, not subtracted.
+
+Method: both engines live in the same processes (gloo ranks started by ``ds_clip_harness.groups``), built from
+the same seed, and their steps alternate (cached k, plain k, for every k, then again), so each ratio compares
+steps taken seconds apart on a machine whose load drifts. The first round is a warm-up and not timed. Time per
+step is the largest over ranks (a step is as slow as its slowest rank); medians over ``--steps`` rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as a script: ds_clip_harness and the other benchmarks must import
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+@dataclass
+class CostSettings:
+    model: str = "ViT-B-32"
+    image_size: int | None = 64
+    micro_batch_size: int = 4
+    accum_freqs: list[int] = field(default_factory=lambda: [2, 4, 8])
+    world_sizes: list[int] = field(default_factory=lambda: [1, 2])
+    steps: int = 3
+    """Timed rounds (each round: one cached and one plain step at every k)."""
+    precision: str = "fp32"
+    threads: int = 1
+    seed: int = 0
+
+
+def bound(k: int) -> float:
+    """(4k − 1) / (3k): encoder forward-equivalents of the cached step over plain accumulation's."""
+    return (4 * k - 1) / (3 * k)
+
+
+def _group(s: CostSettings) -> list[dict]:
+    """Every rank of one process group: both engines, all k, alternating; rank 0's rows are returned."""
+    import open_clip
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.bench_accum import resolve_model
+    from ds_clip.config import parse_settings
+    from ds_clip.engine import build_engine, build_model_bundle, resolve_run
+    from ds_clip.step import cached_step, input_dtype
+    from ds_clip_harness.runs import FLAT_SCHEDULE_STEPS, generated_pairs
+
+    torch.set_num_threads(s.threads)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    name = resolve_model(s.model, s.image_size)
+    m, ks = s.micro_batch_size, sorted(set(s.accum_freqs))
+    flags = ["--model", name, "--batch-size", str(m), "--precision", s.precision, "--seed", str(s.seed)]
+    flags += ["--lr", "1e-5", "--wd", "0.1", "--eps", "1e-6", "--warmup", "0", "--workers", "0"]
+    settings = parse_settings(flags)
+    geometry, ds = resolve_run(settings, world)
+
+    def engine_of(resolved):
+        bundle = build_model_bundle(settings.model, seed=s.seed)  # same seed: the same initial weights
+        return bundle, build_engine(
+            bundle, geometry, resolved, model=settings.model, optim=settings.optim, loss=settings.loss,
+            seed=s.seed, rank=rank, total_steps=FLAT_SCHEDULE_STEPS,
+        )  # fmt: skip
+
+    bundle, cached = engine_of(ds)
+    # DeepSpeed's own accumulation: the same JSON with its managed mode (ds_clip's step engine turns it off).
+    plain_json = ds.config
+    plain_json["managed_gradient_accumulation"] = True
+    _, plain = engine_of(dataclasses.replace(ds, json_text=json.dumps(plain_json)))
+    plain_loss = open_clip.loss.ClipLoss(rank=rank, world_size=world)  # open_clip_train's default loss
+    for built in (cached, plain):
+        built.engine.train()
+
+    cfg = bundle.model_cfg
+    size = cfg["vision_cfg"]["image_size"]
+    size = size if isinstance(size, int) else size[0]
+    pool = [  # generated once, outside the timed region; distinct pairs on every rank
+        generated_pairs(
+            range((rank * max(ks) + j) * m, (rank * max(ks) + j + 1) * m),
+            image_size=size,
+            context_length=cfg["text_cfg"].get("context_length", 77),
+            vocab_size=cfg["text_cfg"].get("vocab_size", 49408),
+            seed=s.seed,
+        )
+        for j in range(max(ks))
+    ]
+    device = cached.engine.device
+    dtype = input_dtype(cached.engine)
+    pool = [(img.to(device, dtype), txt.to(device)) for img, txt in pool]
+    cuda = str(device).startswith("cuda")
+
+    def run_cached(k: int) -> None:
+        cached_step(cached.engine, pool[:k], cached.loss_fn)
+
+    def run_plain(k: int) -> None:
+        engine = plain.engine
+        engine.set_train_batch_size(k * m * world)  # gradient_accumulation_steps = k
+        for img, txt in pool[:k]:
+            out = engine(image=img, text=txt)
+            loss = plain_loss(
+                out["image_features"].float(), out["text_features"].float(), out["logit_scale"].float()
+            )
+            engine.backward(loss)
+            engine.step()  # DeepSpeed updates at the k-th call only
+
+    def timed(fn, k: int) -> float:
+        dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(k)
+        if cuda:
+            torch.cuda.synchronize()
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+        if world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    times: dict[tuple[str, int], list[float]] = {}
+    for round_ in range(s.steps + 1):  # round 0: warm-up (optimizer state, first allocations), not kept
+        for k in ks:
+            for mode, fn in (("cached", run_cached), ("plain", run_plain)):
+                t = timed(fn, k)
+                if round_ > 0:
+                    times.setdefault((mode, k), []).append(t)
+    stage = int(cached.engine.zero_optimization_stage())
+    rows = []
+    for k in ks:
+        c, p = statistics.median(times[("cached", k)]), statistics.median(times[("plain", k)])
+        rows.append(
+            {
+                "model": name, "W": world, "m": m, "k": k, "N": world * k * m, "zero": stage,
+                "preset": ds.preset, "cached_s": c, "plain_s": p, "ratio": c / p, "bound": bound(k),
+                "cached_all_s": times[("cached", k)], "plain_all_s": times[("plain", k)],
+            }
+        )  # fmt: skip
+    for built in (cached, plain):
+        built.engine.destroy()
+    return rows
+
+
+def machine() -> dict:
+    import platform
+
+    import torch
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "loadavg": list(os.getloadavg()),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    out = [
+        "| model | W | ZeRO (preset) | m | k | N | cached s/step | plain s/step | ratio | bound (4k−1)/(3k) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['model']} | {r['W']} | {r['zero']} ({r['preset']}) | {r['m']} | {r['k']} | {r['N']} | "
+            f"{r['cached_s']:.3f} | {r['plain_s']:.3f} | **{r['ratio']:.2f}** | {r['bound']:.2f} |"
+        )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    d = CostSettings()
+    p = argparse.ArgumentParser(prog="benchmarks/bench_exactness_cost.py", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=d.model, help="open_clip model name (ds-clip-tiny, ViT-B-32, ...)")
+    p.add_argument("--image-size", type=int, default=d.image_size, help="image side in px (0: the model's)")
+    p.add_argument(
+        "--batch-size", type=int, default=d.micro_batch_size, help="m, pairs per micro-batch per rank"
+    )
+    p.add_argument("--k", type=int, nargs="+", default=d.accum_freqs, help="micro-batches per step")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=d.world_sizes, help="W, local gloo ranks")
+    p.add_argument("--steps", type=int, default=d.steps, help="timed rounds after one warm-up round")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default=d.precision)
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
+    p.add_argument("--json", type=Path, default=None, help="write the rows and the machine here")
+    a = p.parse_args(argv)
+    for flag, values in (("--batch-size", [a.batch_size]), ("--k", a.k), ("--world-sizes", a.world_sizes),
+                         ("--steps", [a.steps]), ("--threads", [a.threads])):  # fmt: skip
+        if min(values) < 1:
+            p.error(f"{flag} must be >= 1")
+    if a.json is not None and not a.json.parent.is_dir():
+        p.error(f"--json: folder {a.json.parent} does not exist")
+    s = CostSettings(
+        model=a.model, image_size=a.image_size or None, micro_batch_size=a.batch_size, accum_freqs=a.k,
+        world_sizes=a.world_sizes, steps=a.steps, precision=a.precision, threads=a.threads,
+    )  # fmt: skip
+    from ds_clip_harness.groups import spawn_group
+
+    start, t0 = machine(), time.perf_counter()
+    rows: list[dict] = []
+    for w in s.world_sizes:
+        print(f"[exactness cost] W={w}: {s.model} m={s.micro_batch_size} k={s.accum_freqs}", flush=True)
+        rows += spawn_group(w, _group, s)
+    info = {**start, "loadavg_end": list(os.getloadavg()), "wall_s": round(time.perf_counter() - t0, 1)}
+    print(table(rows))
+    print(f"\n{info['date']} | load {info['loadavg']} -> {info['loadavg_end']} | {info['wall_s']} s")
+    if a.json is not None:
+        a.json.write_text(json.dumps({"machine": info, "settings": asdict(s), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
