@@ -26,6 +26,8 @@ _EXPORTS = {
     "step_engine_config": "ds_clip.ds_config",
     "prepare_for_deepspeed": "ds_clip.model",
     "clamp_logit_scale": "ds_clip.clamp",
+    "WeightEma": "ds_clip.ema",
+    "EmaSchedule": "ds_clip.ema",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -34,8 +34,9 @@ import logging
 import os
 import random
 import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -343,10 +344,14 @@ def save(
     meta: dict[str, Any] | None = None,
     keep: int | None = None,
     checksums: bool = True,
+    write_extra: Callable[[Path], list[Path]] | None = None,
 ) -> Path:
     """Every rank calls this. Returns the checkpoint folder; raises SaveError on every rank when any rank
     could not write its part (the partial folder is removed, ``latest_complete`` still names the last
     complete checkpoint).
+
+    ``write_extra(path)``: writes this rank's files of state DeepSpeed does not hold (the weight EMA) into the
+    folder before it is listed in the manifest and marked complete; returns them (this rank hashes them).
 
     ``meta`` (JSON-able, rank 0's is written) should hold epoch, samples_seen, world_size, accum_freq,
     micro_batch_size, model, model_cfg; the engine's ZeRO stage and parameter shapes are added here.
@@ -364,6 +369,11 @@ def save(
         # Each rank's data position (webdataset positions differ per rank) and RNG states.
         rank_file = path / f"rank{_rank()}.json"
         guard.run(lambda: _write_json_atomic(rank_file, {"data": data_state, "rng": rng_state()}), rank_file)
+        if write_extra is not None and guard.error is None:
+            extra: list[Path] = []
+            guard.run(lambda: extra.extend(write_extra(path)), path)
+            for f in extra if guard.error is None and checksums else []:
+                guard.record(f)
     full_meta = {
         "step": step,
         **(meta or {}),
@@ -890,6 +900,15 @@ def on_cadence(
     )
 
 
+class CheckpointPart(Protocol):
+    """State beside DeepSpeed's that a checkpoint carries (the weight EMA): written by every rank into the
+    checkpoint folder, read back on resume."""
+
+    def save_to(self, path: Path) -> list[Path]: ...
+
+    def load_from(self, path: Path, *, is_main: bool) -> bool: ...
+
+
 class Checkpointer:
     """When the trainer saves, and what a save records: owns ``--save-every-n-steps``, ``--save-frequency``
     (epochs), ``--save-most-recent``, ``--keep-checkpoints`` (``--delete-previous-checkpoint``: 1) and
@@ -906,6 +925,7 @@ class Checkpointer:
         settings: dict[str, Any],
         meta: dict[str, Any],
         steps_per_epoch: int | None = None,
+        parts: Sequence[CheckpointPart] = (),
     ) -> None:
         """``section``: the checkpoint flags; ``geometry``: the run's W, k, m (the N a resume must keep, the
         samples a step counts); ``settings``: the flat settings (settings.json) a resume checks; ``meta``: what
@@ -923,6 +943,9 @@ class Checkpointer:
         self.keep = 1 if section.delete_previous_checkpoint else section.keep_checkpoints
         self.most_recent, self.steps_per_epoch = section.save_most_recent, steps_per_epoch
         self.on_failure = section.on_save_failure
+        self.parts = list(parts)
+        self.resumed_from: Path | None = None
+        """The checkpoint folder ``resume`` loaded (None: a fresh start)."""
         self._recent_only: Path | None = None
         """The last checkpoint saved only for --save-most-recent: deleted once a newer one is complete."""
 
@@ -938,6 +961,7 @@ class Checkpointer:
                 self.settings,
                 meta=meta,
                 keep=self.keep,
+                write_extra=self._write_parts if self.parts else None,
             )
         except SaveError as exc:
             raise SaveError(
@@ -953,6 +977,9 @@ class Checkpointer:
                 "removed %s: --save-most-recent keeps the newest epoch's checkpoint only", previous.name
             )
         return path
+
+    def _write_parts(self, path: Path) -> list[Path]:
+        return [f for part in self.parts for f in part.save_to(path)]
 
     def maybe_save(self, step: int, total_steps: int) -> None:
         """Save on the step or epoch cadence, or at an epoch's end for --save-most-recent; the last step is
@@ -999,6 +1026,9 @@ class Checkpointer:
             settings=self.settings,
         )
         self.data.load_state_dict(state["data"])
+        self.resumed_from = Path(state["path"])
+        for part in self.parts:
+            part.load_from(self.resumed_from, is_main=is_main)
         if is_main:
             logger.info(
                 "resumed from %s at step %d (epoch %d, step %d in epoch)%s",

@@ -8,6 +8,8 @@ OUT gets ``open_clip_config.json`` ({"model_cfg", "preprocess_cfg"}) and ``open_
     open_clip.create_model_and_transforms(NAME, pretrained="OUT/open_clip_model.safetensors")  # a named one
     ds-clip-train --model local-dir:OUT ...   or   --model NAME --pretrained OUT   (fine-tuning)
 
+``--ema``: the weight EMA of a run trained with ``--ema-decay`` (ds_clip.ema; its per-rank files assembled).
+
 ZeRO-1/2/3 checkpoints are consolidated with DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``
 (the fp32 master weights, not the bf16 working copy); ZeRO-0 fp32 keeps the whole model in its
 model-state file. ``logit_scale``/``logit_bias`` (shape [1] inside the engine) get open_clip's 0-dim
@@ -26,6 +28,7 @@ import torch
 
 from ds_clip.checkpoint import CheckpointError, read_meta, resolve, safe_load
 from ds_clip.config import add_flags
+from ds_clip.ema import full_state_from_files
 from ds_clip.errors import UserError
 
 WEIGHTS_FILE = "open_clip_model.safetensors"
@@ -107,10 +110,11 @@ def to_open_clip(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tenso
     return out
 
 
-def export(checkpoint: str, out: str | Path, *, cache_dir: str | None = None) -> Path:
+def export(checkpoint: str, out: str | Path, *, ema: bool = False, cache_dir: str | None = None) -> Path:
     """Write OUT/open_clip_config.json and OUT/open_clip_model.safetensors (and, for a model whose tokenizer
     lives on the hub, that tokenizer's files: open_clip reads a local-dir: model's tokenizer from its folder);
-    return OUT."""
+    return OUT. ``ema``: the weight EMA of the trained parameters (--ema-decay) in place of their live values;
+    buffers and frozen parameters, which no optimizer moves, are the live ones."""
     from safetensors.torch import save_file
 
     path = resolve(None, checkpoint)
@@ -121,14 +125,22 @@ def export(checkpoint: str, out: str | Path, *, cache_dir: str | None = None) ->
             f"{path}: the checkpoint records no model_cfg; cannot build the open_clip model"
         )
     model = build_open_clip_model(model_cfg, meta.get("preprocess_cfg"))
-    state = to_open_clip(consolidated_state_dict(path), model)
+    averaged = full_state_from_files(path) if ema else {}  # first: a checkpoint without one fails at once
+    state = consolidated_state_dict(path)
+    state.update(averaged)
+    state = to_open_clip(state, model)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     preprocess_cfg = meta.get("preprocess_cfg") or {}
     (out / CONFIG_FILE).write_text(
         json.dumps({"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg}, indent=1)
     )
-    save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt", "ds_clip_step": str(meta["step"])})
+    metadata = {
+        "format": "pt",
+        "ds_clip_step": str(meta["step"]),
+        "ds_clip_weights": "ema" if ema else "live",
+    }
+    save_file(state, str(out / WEIGHTS_FILE), metadata=metadata)
     tokenizer = model_cfg.get("text_cfg", {}).get("hf_tokenizer_name")
     if tokenizer:
         _save_hub_tokenizer(tokenizer, out, cache_dir)
@@ -180,10 +192,15 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint", help="checkpoint folder (checkpoints/step_N), checkpoints folder, or run folder"
     )
     p.add_argument("out", help="output folder")
+    p.add_argument(
+        "--ema",
+        action="store_true",
+        help="export the weight EMA the run kept (--ema-decay) instead of the weights",
+    )
     add_flags(p, ["cache_dir"])
     args = p.parse_args(argv)
     try:
-        out = export(args.checkpoint, args.out, cache_dir=args.cache_dir)
+        out = export(args.checkpoint, args.out, ema=args.ema, cache_dir=args.cache_dir)
     except (CheckpointError, UserError) as exc:
         print(f"ds-clip-export: error: {str(exc).replace('--resume ', '')}", file=sys.stderr)
         return 2

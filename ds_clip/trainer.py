@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ds_clip import checkpoint, distributed, evaluate, faults, remote
+from ds_clip import checkpoint, distributed, ema, evaluate, faults, remote
 from ds_clip.checkpoint import Checkpointer
 from ds_clip.clamp import clamp_logit_scale
 from ds_clip.config import (
@@ -152,10 +152,13 @@ class Trainer:
         )  # fmt: skip
         self.engine, self.loss_fn = built.engine, built.loss_fn
         self.caption_fn, self.teacher = built.caption_fn, built.teacher
+        # The weight EMA (--ema-decay), beside the fp32 masters; saved with and resumed from every checkpoint.
+        self.ema = ema.build_ema(self.engine, s.ema)
 
         self.checkpointer = Checkpointer(
             self.engine, run_dir, self.data, s.checkpoint, geometry=geometry, settings=settings_to_dict(s),
             meta=_checkpoint_meta(s.model, s.dist.precision, bundle), steps_per_epoch=steps_per_epoch,
+            parts=[self.ema] if self.ema is not None else [],
         )  # fmt: skip
         self.evaluator = self._build_evaluator(_image_px(bundle))
         self.start_step = (
@@ -163,6 +166,9 @@ class Trainer:
             if s.checkpoint.resume
             else 0
         )
+        resumed = self.checkpointer.resumed_from
+        if self.ema is None and resumed is not None and ema.rank_files(resumed) and info.is_main:
+            logger.warning("%s holds a weight EMA; this run has no --ema-decay and does not keep it", resumed)
         self.meter = StepMeter(
             every_n_steps=s.logging.log_every_n_steps, total_steps=self.total_steps, geometry=geometry
         )
@@ -211,6 +217,8 @@ class Trainer:
             "%s%s; %d steps per epoch, %d steps in total; run folder %s",
             self.geometry.describe(), derived, self.data.steps_per_epoch, self.total_steps, self.run_dir,
         )  # fmt: skip
+        if self.ema is not None:
+            logger.info("%s", self.ema.describe())
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         if restarts:
             # torchrun's elastic agent restarted the workers (a host lost or added): say what this start is.
@@ -245,6 +253,8 @@ class Trainer:
             steps_per_epoch=self.data.steps_per_epoch,
             zeroshot_tasks=tasks,
             batch_size=self.geometry.micro_batch_size,
+            # The EMA is evaluated beside the live weights, swapped into the master partitions meanwhile.
+            views={"ema/": self.ema.swapped_in} if self.ema is not None else None,
         )
 
     def _eval_settings(self, image_px: int) -> evaluate.EvalSettings | None:
@@ -311,6 +321,9 @@ class Trainer:
                         writer.step_done()
                     if not result.skipped:
                         step += 1
+                        # After the update was applied: a skipped one does not decay the average.
+                        if self.ema is not None:
+                            self.ema.maybe_update(step)
                         if self.meter.should_log(step):
                             self._log(step, epoch, writer)
                         self.checkpointer.maybe_save(step, total)

@@ -20,6 +20,8 @@ STEPS = 3
 # gradient counted twice changes the update wherever |g| is near eps), while rounding noise of
 # ~1e-9 moves a parameter by at most lr*1e-5.
 ADAM = {"lr": 1e-3, "eps": 1e-4}
+# A decay this low moves the average visibly in 3 steps (the first update copies the weights, as timm's does).
+EMA_DECAY = 0.5
 
 GLOBAL = LossSpec()
 GLOBAL_GWG = LossSpec(gather_with_grad=True)
@@ -43,6 +45,8 @@ class Case:
     """--coalesce-grad-reduction on: one gradient reduction per step (ZeRO 1-3)."""
     distill: bool = False
     """--distill-model (the TEACHER folder): open_clip's DistillClipLoss, dense or tiled as ``loss`` says."""
+    ema: bool = False
+    """--ema-decay EMA_DECAY: the weight EMA kept beside the masters (it does not change the training)."""
 
     @property
     def name(self) -> str:
@@ -55,6 +59,7 @@ class Case:
         extra += "-lock-image" if self.lock_image else ""
         extra += "-coalesce" if self.coalesce else ""
         extra += "-distill" if self.distill else ""
+        extra += "-ema" if self.ema else ""
         return f"{self.model}-z{self.zero_stage}-{self.precision}-{loss}{extra}"
 
 
@@ -62,10 +67,11 @@ def _matrix() -> list[Case]:
     cases = []
     for stage in range(4):
         for precision in ("fp32", "bf16"):
-            cases.append(Case("vit", stage, precision, GLOBAL))
+            # The weight EMA rides along on the plain cases: sharded like the masters of every stage.
+            cases.append(Case("vit", stage, precision, GLOBAL, ema=True))
             cases.append(Case("vit", stage, precision, LOCAL))
             cases.append(Case("vit_siglip", stage, precision, SIGLIP))
-    cases += [Case("vit", stage, "fp32", GLOBAL, offload=True) for stage in (1, 2, 3)]
+    cases += [Case("vit", stage, "fp32", GLOBAL, offload=True, ema=True) for stage in (1, 2, 3)]
     cases += [Case("vit", stage, "fp32", GLOBAL, grad_checkpointing=True) for stage in (0, 3)]
     cases += [Case("vit", 2, "fp32", GLOBAL_GWG)]
     cases += [
@@ -106,6 +112,7 @@ def fp16_supported() -> bool:
 FP16_CASES = [Case("vit", stage, "fp16", GLOBAL) for stage in (1, 2, 3)]
 CASES = _matrix() + (FP16_CASES if fp16_supported() else [])
 FP32_CASES = [c for c in CASES if c.precision == "fp32"]
+EMA_CASES = [c for c in CASES if c.ema]
 BF16_CASES = [c for c in CASES if c.precision == "bf16"]
 
 
@@ -124,6 +131,7 @@ def spec_for(case: Case, models: dict[str, str], k: int) -> RunSpec:
         coalesce="on" if case.coalesce else "off",
         varied_captions=case.model == "coca",
         distill_model=models["teacher"] if case.distill else None,
+        ema_decay=EMA_DECAY if case.ema else None,
         capture_grads=True,
         name=case.name,
         **ADAM,

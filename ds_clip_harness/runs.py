@@ -68,6 +68,11 @@ class RunSpec:
     caption term, whose normaliser is the token count."""
     distill_model: str | None = None
     """--distill-model: a frozen teacher (local-dir: with weights); the loss is open_clip's DistillClipLoss."""
+    ema_decay: float | None = None
+    """--ema-decay: keep the weight EMA (ds_clip.ema) beside the masters; the result holds it whole, and the EMA
+    of the whole fp32 masters after every applied step computed in one place (``ema_reference``)."""
+    ema_warmup: bool = False
+    """--ema-warmup (timm ModelEmaV3's warm-up of the decay)."""
     name: str = ""
 
 
@@ -84,6 +89,13 @@ class RunResult:
     num_params: int = 0
     skipped: list[bool] = field(default_factory=list)
     """Per step: was the update skipped for a non-finite value."""
+    ema: dict[str, torch.Tensor] | None = None
+    """The sharded weight EMA assembled whole (``WeightEma.full_state``), with ``spec.ema_decay``."""
+    ema_reference: dict[str, torch.Tensor] | None = None
+    """The same average computed from the whole fp32 masters after every applied step (timm's rule)."""
+    ema_probe: dict[str, Any] | None = None
+    """A probe batch embedded (eval mode) by the live engine, inside ``WeightEma.swapped_in()``, and live again
+    after it: {"inputs": (images, texts), "live", "ema", "live_after": (image, text features)}."""
 
     def gradient_reduction_passes(self) -> float:
         """Gradient bytes reduced in one step / the model's gradient bytes (fp32 models).
@@ -205,6 +217,8 @@ def train_argv(spec: RunSpec, preset_dir: str | None = None) -> list[str]:
         argv.append("--torchcompile")
     if spec.distill_model:
         argv += ["--distill-model", spec.distill_model]
+    if spec.ema_decay is not None:
+        argv += ["--ema-decay", repr(spec.ema_decay)] + (["--ema-warmup"] if spec.ema_warmup else [])
     return argv
 
 
@@ -287,6 +301,13 @@ def full_params(engine) -> dict[str, torch.Tensor]:
     return out
 
 
+def full_masters(engine) -> dict[str, torch.Tensor]:
+    """The whole fp32 master of every trained parameter (ZeRO-0 bf16's included), on every rank."""
+    from ds_clip.clamp import full_fp32_master
+
+    return {n: full_fp32_master(engine, n) for n, p in engine.module.named_parameters() if p.requires_grad}
+
+
 def run_in_group(spec: RunSpec) -> RunResult:
     """Train ``spec`` on every rank of the current process group; every rank returns the result.
 
@@ -294,6 +315,7 @@ def run_in_group(spec: RunSpec) -> RunResult:
     import torch.distributed as dist
 
     from ds_clip.config import parse_settings
+    from ds_clip.ema import EmaSchedule, build_ema
     from ds_clip.engine import build_engine, build_model_bundle, resolve_run
     from ds_clip.step import cached_step
 
@@ -308,6 +330,11 @@ def run_in_group(spec: RunSpec) -> RunResult:
         )  # fmt: skip
     engine, loss_fn, teacher = built.engine, built.loss_fn, built.teacher
     probe = _GradProbe(engine) if spec.capture_grads else None
+    ema = build_ema(engine, s.ema)
+    full_params_at_start = full_masters(engine) if ema is not None else {}
+    schedule = EmaSchedule.from_settings(s.ema)
+    reference: dict[str, torch.Tensor] | None = None
+    applied = 0
     engine.train()
     losses, per_step_ops, skipped = [], [], []
     comms = None
@@ -334,7 +361,19 @@ def run_in_group(spec: RunSpec) -> RunResult:
             )
         losses.append(float(res.loss))
         skipped.append(res.skipped)
+        if not res.skipped:
+            applied += 1
+            if ema is not None and schedule is not None and ema.maybe_update(applied):
+                # The rule on whole tensors, in one place: what the sharded average must equal.
+                masters = full_masters(engine)
+                weight = 1.0 - schedule.decay_at(applied)
+                if reference is None:
+                    reference = {n: full_params_at_start[n].clone() for n in masters}
+                for n, v in masters.items():
+                    reference[n].lerp_(v, weight)
     params = full_params(engine)
+    ema_whole = ema.full_state() if ema is not None else None
+    ema_probe = _probe_ema(engine, ema, spec, bundle.model_cfg) if ema is not None else None
     buffers = {
         n: b.detach().float().clone().cpu() for n, b in engine.module.named_buffers() if "running" in n
     }
@@ -348,10 +387,36 @@ def run_in_group(spec: RunSpec) -> RunResult:
         collectives=per_step_ops[-1] if per_step_ops else None,
         num_params=sum(p.numel() for p in params.values()),
         skipped=skipped,
+        ema=ema_whole,
+        ema_reference=reference,
+        ema_probe=ema_probe,
     )
     engine.destroy()
     del engine
     return result
+
+
+def _probe_ema(engine, ema, spec: RunSpec, model_cfg: dict) -> dict[str, Any]:
+    """Embed one probe batch (the same on every rank) live, with the EMA swapped in, and live again."""
+    from ds_clip.evaluate import engine_forward
+
+    (batch,), _ = step_micro_batches(replace(spec, accum_freq=1), model_cfg, 10_000, 0, 1)
+    forward = engine_forward(engine)
+
+    def embed() -> tuple[torch.Tensor, torch.Tensor]:
+        out = forward(image=batch[0], text=batch[1])
+        if not isinstance(out, dict):
+            out = {"image_features": out[0], "text_features": out[1]}
+        return out["image_features"].float().cpu().clone(), out["text_features"].float().cpu().clone()
+
+    engine.eval()
+    with torch.no_grad():
+        live = embed()
+        with ema.swapped_in():
+            averaged = embed()
+        live_after = embed()
+    engine.train()
+    return {"inputs": batch, "live": live, "ema": averaged, "live_after": live_after}
 
 
 def _op_counts(comms_logger) -> dict[str, dict[int, int]]:

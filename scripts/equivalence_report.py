@@ -48,8 +48,11 @@ def main(argv: list[str] | None = None) -> int:
             worst = max(errs, key=errs.get)
             diff = max(float((p - w4[c.name].params[n]).abs().max()) for n, p in w2[c.name].params.items())
             bias = f"{errs['logit_bias']:.1e}" if "logit_bias" in errs else "-"
+            ema_a, ema_b = w2[c.name].ema, w4[c.name].ema
+            ema = f"{max(float((v - ema_b[n]).abs().max()) for n, v in ema_a.items()):.1e}" if ema_a else "-"
             rows.append(
-                f"| {c.name} | {errs[worst]:.1e} ({worst}) | {errs['logit_scale']:.1e} | {bias} | {diff:.1e} |"
+                f"| {c.name} | {errs[worst]:.1e} ({worst}) | {errs['logit_scale']:.1e} | {bias} | {diff:.1e} "
+                f"| {ema} |"
             )
     cpu = platform.processor() or platform.machine()
     text = "\n".join(
@@ -57,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             f"Measured {date.today()} on {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}.",
             "",
             "| case | largest gradient error vs oracle (parameter) | logit_scale | logit_bias "
-            "| max abs param diff, 2x2 vs 4x1 after 3 AdamW steps (lr 1e-3) |",
-            "|---|---|---|---|---|",
+            "| max abs param diff, 2x2 vs 4x1 after 3 AdamW steps (lr 1e-3) | the same for the weight EMA |",
+            "|---|---|---|---|---|---|",
             *rows,
         ]
     )

@@ -90,3 +90,9 @@ def test_relative_links_resolve(page: Path):
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(f"{where} (no heading or <a id> '{anchor}' in {dest.relative_to(ROOT)})")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_the_readme_stays_a_front_door():
+    """README.md says what ds_clip is, how to install and start, and links the docs; essays belong in docs/."""
+    size = (ROOT / "README.md").stat().st_size
+    assert size <= 12_000, f"README.md is {size} bytes: move detail into docs/ and link it"

@@ -78,7 +78,8 @@ def _check_run(proc: subprocess.CompletedProcess, run_dir: Path, steps: int = ST
 def test_deepspeed_launcher_trains_and_resumes(model_dir, tmp_path):
     """`deepspeed --num_gpus 2 --module ds_clip.train --accum-freq 2` trains, logs k*m*W samples per
     step, writes the resolved configs and a complete checkpoint; `--resume latest` continues at the
-    saved step instead of starting over. (--torchcompile under the launcher: tests/test_compile.py.)
+    saved step instead of starting over, here with --ema-decay turned on (the average starts from the resumed
+    weights; ds-clip-export --ema writes it). (--torchcompile under the launcher: tests/test_compile.py.)
 
     Nothing left in /dev/shm: neither run leaves a DeepSpeed CPU shm buffer of its own, and
     the first one's start removes a stale buffer (its owner process is dead) and says so, while a buffer
@@ -95,11 +96,23 @@ def test_deepspeed_launcher_trains_and_resumes(model_dir, tmp_path):
     said = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "ds_clip.shm: removed" in ln]
     assert len(said) == 1 and planted.stale.name in said[0], said
     assert shm_files.left_by(ports[0]) == []
-    more = _train_args(model_dir, tmp_path, "ds", steps=STEPS + 2)
+    # The resume turns the weight EMA on: the checkpoint has none, so it starts from the resumed weights and says
+    # so once; the next checkpoint holds one file of it per rank, and ds-clip-export --ema writes it.
+    more = _train_args(model_dir, tmp_path, "ds", "--ema-decay", "0.9", steps=STEPS + 2)
     proc = _run([*launch, str(ports[1]), "--module", "ds_clip.train", *more, "--resume", "latest"])
-    assert "resumed from" in proc.stdout + proc.stderr and "at step 4" in proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "resumed from" in out and "at step 4" in out
+    assert out.count("was saved without a weight EMA; the average starts from its weights") == 1, out[-3000:]
     _check_run(proc, tmp_path / "ds", steps=STEPS + 2, first=STEPS + 1)
     assert shm_files.left_by(ports[1]) == []
+    last = tmp_path / "ds" / "checkpoints" / f"step_{STEPS + 2:08d}"
+    assert sorted(f.name for f in last.glob("ema_rank*.pt")) == ["ema_rank0.pt", "ema_rank1.pt"]
+    export = _run(
+        [sys.executable, "-m", "ds_clip.export", str(tmp_path / "ds"), str(tmp_path / "ema"), "--ema"]
+    )
+    assert export.returncode == 0 and (tmp_path / "ema" / "open_clip_model.safetensors").is_file(), (
+        export.stderr
+    )
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +233,8 @@ def _bad(*args: str) -> subprocess.CompletedProcess:
         (["--train-data", "/nonexistent/shard-{00000..00003}.tar"], "/nonexistent/shard-{00000..00003}.tar"),
         (["--local-loss"], "--gather-with-grad"),
         (["--precision", "fp16", "--zero-stage", "0"], "stage 0"),
+        (["--ema-decay", "1"], "--ema-decay"),
+        (["--ema-warmup"], "--ema-decay"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(args, needle):

@@ -18,6 +18,8 @@ from ds_clip_harness.cases import (
     ADAM,
     BF16_CASES,
     CASES,
+    EMA_CASES,
+    EMA_DECAY,
     FP16_CASES,
     FP32_CASES,
     Case,
@@ -208,6 +210,61 @@ def test_two_ranks_accum2_train_like_four_ranks(case, runs, models):
     assert ratio <= 5e-2, f"the two runs differ by {ratio:.1%} of how far the model moved"
 
 
+@pytest.mark.parametrize("case", EMA_CASES, ids=lambda c: c.name)
+def test_weight_ema_is_split_invariant_and_the_average_of_the_whole_masters(case, runs, models):
+    """The weight EMA (--ema-decay, kept per rank beside its fp32 master partition, ZeRO 0-3 and offload):
+    assembled whole, it equals the average computed from the whole fp32 masters after every step in one place
+    (timm ModelEmaV3's rule; the same float operations, so to the last bit), and 2 ranks x k=2 keep the same EMA
+    as 4 ranks x k=1 (W2k2 == W4k1 for the average too, to the bounds the weights themselves meet)."""
+    from ds_clip.model import build_model
+
+    a, b = runs[(case.name, 2)], runs[(case.name, 4)]
+    assert a.ema is not None and b.ema is not None and a.ema_reference is not None
+    assert set(a.ema) == {n for n in a.params}  # every trained parameter (none locked here)
+    for name, value in a.ema.items():
+        torch.testing.assert_close(value, a.ema_reference[name].view_as(value), rtol=0, atol=1e-7, msg=name)
+    assert any(not torch.equal(v, a.params[n].view_as(v)) for n, v in a.ema.items())  # an average, not a copy
+    lr = ADAM["lr"]
+    if case.precision == "fp32":
+        for name, ea in a.ema.items():
+            diff = float((ea - b.ema[name]).abs().max())
+            assert diff <= 1e-2 * lr, f"{name}: max |diff| {diff:.2e}"
+        return
+    start = dict(build_model(models[case.model], seed=0).model.named_parameters())
+    diff2 = moved2 = 0.0
+    for name, ea in a.ema.items():
+        diff2 += float((ea - b.ema[name]).pow(2).sum())
+        moved2 += float((ea - start[name].detach().reshape(ea.shape)).pow(2).sum())
+    ratio = (diff2 / moved2) ** 0.5
+    assert ratio <= 5e-2, f"the two EMAs differ by {ratio:.1%} of how far the average moved"
+
+
+@pytest.mark.parametrize("case", EMA_CASES, ids=lambda c: c.name)
+def test_evaluating_the_weight_ema_computes_with_it_and_gives_the_weights_back(case, runs, models):
+    """Inside ``WeightEma.swapped_in()`` (how the trainer evaluates the EMA: masters saved, the EMA copied in,
+    DeepSpeed's refresh of the working copy) the engine embeds a probe batch as open_clip's model holding the
+    assembled EMA does, on every stage, precision and offload; after it, the live weights embed as before, bit
+    for bit."""
+    from ds_clip.model import build_model
+
+    result = runs[(case.name, 2)]
+    probe = result.ema_probe
+    model = build_model(models[case.model], seed=0).model.eval()
+    state = model.state_dict()
+    state.update({n: v.reshape(state[n].shape) for n, v in result.ema.items()})
+    model.load_state_dict(state)
+    images, texts = probe["inputs"]
+    with torch.no_grad():
+        out = model(image=images, text=texts)
+    expected = (out["image_features"], out["text_features"]) if isinstance(out, dict) else out[:2]
+    tol = {"rtol": 1e-5, "atol": 1e-6} if case.precision == "fp32" else {"rtol": 5e-2, "atol": 5e-2}
+    for got, want in zip(probe["ema"], expected):
+        torch.testing.assert_close(got, want.float(), **tol)
+    assert any(not torch.equal(a, b) for a, b in zip(probe["ema"], probe["live"]))
+    for before, after in zip(probe["live"], probe["live_after"]):
+        assert torch.equal(before, after)
+
+
 @pytest.mark.parametrize("stage", [0, 2])
 def test_batchnorm_running_stats_count_each_sample_once(stage, runs, models):
     """A BatchNorm tower (open_clip ModifiedResNet): after one step of k=2 micro-batches, rank 0's
@@ -270,7 +327,9 @@ NAN_STAGES = (0, 2, 3)
 
 
 def _nan_specs(models: dict[str, str], stage: int) -> list[RunSpec]:
-    common = dict(model=models["vit"], micro_batch_size=M, accum_freq=2, zero_stage=stage, **ADAM)
+    common = dict(
+        model=models["vit"], micro_batch_size=M, accum_freq=2, zero_stage=stage, ema_decay=EMA_DECAY, **ADAM
+    )
     return [
         RunSpec(steps=2, nan_at=(1, 1), name=f"nan-z{stage}", **common),
         RunSpec(steps=1, name=f"nan-ref-z{stage}", **common),
@@ -280,9 +339,12 @@ def _nan_specs(models: dict[str, str], stage: int) -> list[RunSpec]:
 @pytest.mark.parametrize("stage", NAN_STAGES)
 def test_non_finite_step_is_skipped_on_every_rank(stage, runs):
     """A NaN on one rank (rank 1's first micro-batch at step 1) makes every rank skip that update:
-    after [step 0, skipped step 1] the parameters equal those after step 0 alone, bit for bit
-    (no partial gradient, no optimizer-state or schedule change), and the skip is reported."""
+    after [step 0, skipped step 1] the parameters and the weight EMA equal those after step 0 alone, bit for
+    bit (no partial gradient, no optimizer-state, schedule or EMA change), and the skip is reported."""
     faulty, ref = runs[(f"nan-z{stage}", 2)], runs[(f"nan-ref-z{stage}", 2)]
     assert faulty.skipped == [False, True]
     for name, p in ref.params.items():
         assert torch.equal(faulty.params[name], p), name
+    # The weight EMA is not decayed by the skipped update either.
+    for name, e in ref.ema.items():
+        assert torch.equal(faulty.ema[name], e), name

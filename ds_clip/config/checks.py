@@ -16,6 +16,7 @@ from ds_clip.config.sections import (
     CheckpointSettings,
     DataSettings,
     DistSettings,
+    EmaSettings,
     EvalSectionSettings,
     LoggingSettings,
     LossSettings,
@@ -221,6 +222,28 @@ def check_global_batch(o: OptimSettings) -> None:
             f"--accum-freq {o.accum_freq} disagrees with --global-batch-size {n}: k*m = {o.accum_freq}*"
             f"{o.batch_size} does not divide N on any world size; drop --accum-freq, k follows from N"
         )
+
+
+def check_ema(e: EmaSettings) -> None:
+    """--ema-decay in (0, 1); the other EMA flags only with it."""
+    if e.ema_decay is None:
+        changed = [
+            flag_named(name).option
+            for name, default in (("ema_update_every", 1), ("ema_warmup", False), ("ema_warmup_gamma", 1.0),
+                                  ("ema_warmup_power", 2 / 3))
+            if getattr(e, name) != default
+        ]  # fmt: skip
+        need(
+            not changed, f"{', '.join(changed)} set without --ema-decay: add --ema-decay DECAY (e.g. 0.9999)"
+        )
+        return
+    need(
+        0 < e.ema_decay < 1,
+        f"--ema-decay must be in (0, 1) (the weight the average keeps per update, e.g. 0.9999), got {e.ema_decay}",
+    )
+    check_min("ema_update_every", e.ema_update_every, 1)
+    check_min("ema_warmup_gamma", e.ema_warmup_gamma, 0, strict=True)
+    check_min("ema_warmup_power", e.ema_warmup_power, 0, strict=True)
 
 
 def check_loss(loss: LossSettings) -> None:

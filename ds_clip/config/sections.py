@@ -388,6 +388,26 @@ class CheckpointSettings:
 
 
 @dataclass
+class EmaSettings:
+    """ema: an exponential moving average of the weights, kept beside the fp32 master partitions (ds_clip.ema)."""
+
+    ema_decay: float | None = opt(None, metavar="DECAY", default_text="off", open_clip="ds_clip only")
+    """Keep an EMA of the weights with this decay, in (0, 1) (e.g. 0.9999): fp32, sharded like the master
+    weights under ZeRO 1-3 and offload, saved in checkpoints, evaluated beside the live weights (metrics
+    prefixed ema/), exported with ds-clip-export --ema. The first update (step 1) copies the weights, as
+    timm's ModelEmaV3 does."""
+    ema_update_every: int = opt(1, metavar="STEPS", unit="steps", open_clip="ds_clip only")
+    """Update the EMA at every this many applied optimizer steps (with the decay of that step)."""
+    ema_warmup: bool = opt(False, open_clip="ds_clip only")
+    """Warm the decay up as timm's ModelEmaV3 does: 1 - (1 + t/gamma)^-power at step t + 1, capped by
+    --ema-decay."""
+    ema_warmup_gamma: float = opt(1.0, metavar="GAMMA", open_clip="ds_clip only")
+    """With --ema-warmup: the gamma of the warm-up curve (> 0)."""
+    ema_warmup_power: float = opt(2 / 3, metavar="POWER", default_text="2/3", open_clip="ds_clip only")
+    """With --ema-warmup: the power of the warm-up curve (> 0); 2/3 reaches 0.999 at 31.6k steps, 3/4 at 10k."""
+
+
+@dataclass
 class EvalSectionSettings:
     """eval: validation data and when to evaluate (ds_clip.evaluate.EvalSettings is built from it)."""
 
@@ -550,6 +570,7 @@ class TrainSettings:
     optim: OptimSettings = field(default_factory=OptimSettings)
     loss: LossSettings = field(default_factory=LossSettings)
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    ema: EmaSettings = field(default_factory=EmaSettings)
     eval: EvalSectionSettings = field(default_factory=EvalSectionSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     dist: DistSettings = field(default_factory=DistSettings)

@@ -13,6 +13,7 @@ from pathlib import Path
 from ds_clip.config.checks import (
     check_data,
     check_dist,
+    check_ema,
     check_eval,
     check_loss,
     check_optim,
@@ -32,6 +33,7 @@ def validate(s: TrainSettings) -> None:
     check_loss(s.loss)
     check_dist(s.dist)
     check_outputs(s.logging, s.checkpoint)
+    check_ema(s.ema)
     check_data(s.data)
     if s.data.train_data and s.data.dataset_type != "csv":  # a CSV path is a file, not a shard pattern
         check_shards("--train-data", s.data.train_data)

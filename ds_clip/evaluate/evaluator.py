@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from ds_clip import distributed
@@ -47,7 +48,11 @@ class Evaluator:
         steps_per_epoch: int | None = None,
         zeroshot_tasks: list[ClassFolderTask] | None = None,
         batch_size: int = EVAL_BATCH_SIZE,
+        views: dict[str, Callable[[], AbstractContextManager]] | None = None,
     ) -> None:
+        """``views``: other weights evaluated beside the live ones, metrics prefixed by the key (``"ema/"``);
+        the value makes the engine compute with those weights inside its block (every rank enters it)."""
+        self.views = views or {}
         self.engine, self.settings = engine, settings
         self.preprocess, self.tokenizer = preprocess, tokenizer
         self.run_dir, self.every_n_steps, self.is_main = Path(run_dir), every_n_steps, is_main
@@ -58,16 +63,25 @@ class Evaluator:
         """Evaluations that failed and were skipped in this run."""
 
     def run(self, step: int, tb_writer=None, *, val: bool = True, zeroshot: bool = True) -> None:
-        metrics: dict[str, float] = {}
-        if self.settings is not None and (val or (zeroshot and self.settings.zeroshot_classes)):
-            metrics.update(self._guarded(step, "--val-data", self._val))
-        if self.zeroshot_tasks and zeroshot:
-            metrics.update(self._guarded(step, "zero-shot", self._zeroshot))
+        metrics = self._metrics(step, val=val, zeroshot=zeroshot)
+        for prefix, weights in self.views.items():
+            if metrics:
+                with weights():
+                    view = self._metrics(step, val=val, zeroshot=zeroshot)
+                metrics.update({prefix + k: v for k, v in view.items()})
         if metrics and self.is_main:
             try:
                 report(self.run_dir, step, metrics, tb_writer)
             except OSError as exc:  # rank 0 alone, after every collective: the run goes on
                 logger.warning("step %d: evaluation results not written (%s); training continues", step, exc)
+
+    def _metrics(self, step: int, *, val: bool, zeroshot: bool) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        if self.settings is not None and (val or (zeroshot and self.settings.zeroshot_classes)):
+            metrics.update(self._guarded(step, "--val-data", self._val))
+        if self.zeroshot_tasks and zeroshot:
+            metrics.update(self._guarded(step, "zero-shot", self._zeroshot))
+        return metrics
 
     def _guarded(self, step: int, what: str, fn: Callable[[int], dict[str, float]]) -> dict[str, float]:
         """``fn(step)``, or nothing when it failed on some rank (all ranks raised EvalFailed together)."""

@@ -34,6 +34,14 @@ def format_line(step: int, m: dict[str, float]) -> str:
 def report(run_dir: Path, step: int, metrics: dict[str, float], tb_writer=None) -> None:
     """Rank 0: log line, TensorBoard (val/*), run_dir/val_metrics.csv, run_dir/eval_results.json (all evaluations)."""
     logger.info(format_line(step, metrics))
+    for prefix in sorted(
+        {k.split("/", 1)[0] + "/" for k in metrics if "/" in k}
+    ):  # other weights: a line each
+        logger.info(
+            "%s %s",
+            prefix,
+            format_line(step, {k[len(prefix) :]: v for k, v in metrics.items() if k.startswith(prefix)}),
+        )
     row = {"step": step, **metrics}
     if tb_writer is not None:
         for k, v in metrics.items():
