@@ -210,17 +210,7 @@ def build_engine(
     groups, group_table = param_groups_for(bundle.model, optim)
     schedule = schedule_for(optim, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
     if rank == 0:
-        if ds.default_reason is not None:
-            logger.info(
-                "DeepSpeed preset %s (the default; --ds-config to choose): %s", ds.preset, ds.default_reason
-            )
-        if ds.coalesce_fallback is not None:
-            logger.info("--coalesce-grad-reduction auto: off here, %s", ds.coalesce_fallback)
-        schedule_name = "no" if optim.skip_scheduler else optim.lr_scheduler
-        logger.info(
-            "optimizer parameter groups (--opt %s: DeepSpeed %s; peak lr; %s schedule):\n%s",
-            optim.optimizer, ds_json["optimizer"]["type"], schedule_name, format_groups(group_table),
-        )  # fmt: skip
+        _log_choices(ds, optim, group_table)
     engine, *_ = deepspeed.initialize(
         model=bundle.model,
         model_parameters=groups,
@@ -231,13 +221,7 @@ def build_engine(
         from ds_clip.model import compile_engine
 
         compile_engine(engine)
-    if geometry.world_size == 1 and engine.zero_optimization_stage() == 0:
-        # Alone, DeepSpeed still flattens every gradient into buckets and all-reduces them at engine.step()
-        # (a copy of the whole gradient; 605 MB per step for ViT-B-32). Averaging over one rank is the
-        # identity, so skip it. (ZeRO 1-3 move gradients into their partitions in that same call: kept.)
-        engine.enable_backward_allreduce = False
-    elif _reduces_in_place(engine):
-        engine.allreduce_gradients = _in_place_allreduce(engine)
+    _choose_gradient_reduction(engine, geometry)
     if teacher is not None:
         from ds_clip.step import input_dtype
 
@@ -269,6 +253,33 @@ def build_engine(
     return BuiltEngine(
         engine=engine, loss_fn=loss_fn, ds_config=ds_json, caption_fn=caption_fn, teacher=teacher
     )
+
+
+def _log_choices(ds: ResolvedDeepSpeed, optim: OptimSettings, group_table) -> None:
+    """Rank 0: the preset and why, the coalescing fallback, the optimizer's parameter groups."""
+    if ds.default_reason is not None:
+        logger.info(
+            "DeepSpeed preset %s (the default; --ds-config to choose): %s", ds.preset, ds.default_reason
+        )
+    if ds.coalesce_fallback is not None:
+        logger.info("--coalesce-grad-reduction auto: off here, %s", ds.coalesce_fallback)
+    schedule_name = "no" if optim.skip_scheduler else optim.lr_scheduler
+    logger.info(
+        "optimizer parameter groups (--opt %s: DeepSpeed %s; peak lr; %s schedule):\n%s",
+        optim.optimizer, ds.config["optimizer"]["type"], schedule_name, format_groups(group_table),
+    )  # fmt: skip
+
+
+def _choose_gradient_reduction(engine, geometry: BatchGeometry) -> None:
+    """How the engine reduces gradients at ``engine.step()`` on ZeRO-0 (ZeRO 1-3 move gradients into their
+    partitions in that same call: kept as DeepSpeed does it)."""
+    if geometry.world_size == 1 and engine.zero_optimization_stage() == 0:
+        # Alone, DeepSpeed still flattens every gradient into buckets and all-reduces them at engine.step()
+        # (a copy of the whole gradient; 605 MB per step for ViT-B-32). Averaging over one rank is the
+        # identity, so skip it.
+        engine.enable_backward_allreduce = False
+    elif _reduces_in_place(engine):
+        engine.allreduce_gradients = _in_place_allreduce(engine)
 
 
 def _reduces_in_place(engine) -> bool:

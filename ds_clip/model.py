@@ -166,6 +166,34 @@ def build_model(
     """
     from ds_clip import hub
 
+    _ensure_cached(name, pretrained, cache_dir, pretrained_image, load_weights)
+    if seed is not None:
+        torch.manual_seed(seed)
+    kwargs = _create_kwargs(name, pretrained, image, cache_dir, pretrained_image, load_weights)
+    import pickle
+
+    try:
+        with hub.offline():  # everything is in the cache now: no rank calls the network
+            model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(name, **kwargs)
+    except pickle.UnpicklingError as exc:
+        raise _unsafe_weights(pretrained) from exc
+    if locks is not None:
+        lock_towers(model, locks)
+    if grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    context_length = image.force_context_length if image is not None else None
+    tokenizer = _tokenizer(name, context_length, cache_dir)
+    model_cfg = _built_cfg(load_model_cfg(name, cache_dir), image)
+    return ModelBundle(model, tokenizer, preprocess_train, preprocess_val, name, model_cfg)
+
+
+def _ensure_cached(
+    name: str, pretrained: str | None, cache_dir: str | None, pretrained_image: bool, load_weights: bool
+) -> None:
+    """Every published file the model needs is in the cache: fetched by open_clip's loaders when it is not
+    (nothing when it is), or, offline, refused in one line naming the file and the command that fills it."""
+    from ds_clip import hub
+
     def needs_now() -> list[hub.Need]:
         return hub.model_needs(
             name,
@@ -179,9 +207,20 @@ def build_model(
     if hub.is_offline():
         hub.refuse_uncached(needs_now(), command)
     else:
-        hub.fetch_all(needs_now, command)  # nothing when the cache holds it all
-    if seed is not None:
-        torch.manual_seed(seed)
+        hub.fetch_all(needs_now, command)
+
+
+def _create_kwargs(
+    name: str,
+    pretrained: str | None,
+    image: ImageOptions | None,
+    cache_dir: str | None,
+    pretrained_image: bool,
+    load_weights: bool,
+) -> dict[str, Any]:
+    """open_clip.create_model_and_transforms's keyword arguments, as open_clip_train passes them."""
+    from ds_clip import hub
+
     # Resumed (load_weights False): no tower weights either (timm's, a Hugging Face text tower's); the
     # checkpoint restores every parameter.
     kwargs: dict[str, Any] = {
@@ -207,38 +246,30 @@ def build_model(
         kwargs.update(
             {k: v for k, v in dataclasses.asdict(image).items() if v is not None and v is not False}
         )
-    import pickle
+    return kwargs
 
-    try:
-        with hub.offline():  # everything is in the cache now: no rank calls the network
-            model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(name, **kwargs)
-    except pickle.UnpicklingError as exc:
-        raise _unsafe_weights(pretrained) from exc
-    if locks is not None:
-        lock_towers(model, locks)
-    if grad_checkpointing:
-        model.set_grad_checkpointing(True)
-    context_length = image.force_context_length if image is not None else None
-    tokenizer = _tokenizer(name, context_length, cache_dir)
-    model_cfg = load_model_cfg(name, cache_dir)
-    if image is not None:
-        # What open_clip built on top of the config (exports record it, so the exported folder rebuilds it).
-        if image.force_quick_gelu:
-            model_cfg = {**model_cfg, "quick_gelu": True}
-        if image.force_custom_text:
-            model_cfg = {**model_cfg, "custom_text": True}
-        if context_length is not None:
-            model_cfg = {**model_cfg, "text_cfg": {**model_cfg["text_cfg"], "context_length": context_length}}
-    if image is not None and (image.force_image_size is not None or image.force_patch_dropout is not None):
-        # What the model was built with (the trainer renders synthetic data at this size; checkpoints and
-        # exports record it, so the exported folder rebuilds this model).
+
+def _built_cfg(model_cfg: dict[str, Any], image: ImageOptions | None) -> dict[str, Any]:
+    """The model config with what open_clip built on top of it (the force flags): exports record it, so the
+    exported folder rebuilds this model."""
+    if image is None:
+        return model_cfg
+    if image.force_quick_gelu:
+        model_cfg = {**model_cfg, "quick_gelu": True}
+    if image.force_custom_text:
+        model_cfg = {**model_cfg, "custom_text": True}
+    if image.force_context_length is not None:
+        text = {**model_cfg["text_cfg"], "context_length": image.force_context_length}
+        model_cfg = {**model_cfg, "text_cfg": text}
+    if image.force_image_size is not None or image.force_patch_dropout is not None:
+        # The trainer renders synthetic data at this size too.
         vision = dict(model_cfg["vision_cfg"])
         if image.force_image_size is not None:
             vision["image_size"] = image.force_image_size
         if image.force_patch_dropout is not None:
             vision["patch_dropout"] = image.force_patch_dropout
         model_cfg = {**model_cfg, "vision_cfg": vision}
-    return ModelBundle(model, tokenizer, preprocess_train, preprocess_val, name, model_cfg)
+    return model_cfg
 
 
 @functools.lru_cache(maxsize=8)

@@ -19,6 +19,7 @@ from ds_clip.evaluate.settings import (
     SYNTHETIC_VAL_OFFSET,
     EvalSettings,
 )
+from ds_clip.stop_signals import ignore_in_worker
 
 logger = logging.getLogger("ds_clip")
 
@@ -141,7 +142,9 @@ def iter_val_batches(
     if s.val_data == SYNTHETIC:
         n = s.val_num_samples or DEFAULT_SYNTHETIC_VAL_SAMPLES
         ds = _SyntheticVal(s, list(range(rank, n, world)), preprocess, tokenizer, classnames)
-        yield from torch.utils.data.DataLoader(ds, batch_size=s.batch_size, num_workers=workers)
+        yield from torch.utils.data.DataLoader(
+            ds, batch_size=s.batch_size, num_workers=workers, worker_init_fn=ignore_in_worker
+        )
         return
     read = _table_samples if s.table else _wds_samples
     batch: list = []

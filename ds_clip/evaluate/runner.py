@@ -18,6 +18,25 @@ from ds_clip.evaluate.zeroshot import zeroshot_classifier
 
 
 @torch.no_grad()
+def _gather_in_order(
+    idx: list, imgs: list, txts: list, labels: list, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every rank's features and labels, in sample order (a collective). ``like``: a feature tensor of this
+    rank's forward (its width and device)."""
+    dim, feat_device = like.shape[-1], like.device
+    cat = lambda xs, shape, dt, dev: torch.cat(xs) if xs else torch.zeros(shape, dtype=dt, device=dev)  # noqa: E731
+    # Gathered on the device (NCCL has no CPU backend), then brought to the host for the metrics, whose
+    # memory is O(chunk * N_val) on the CPU rather than on the accelerator.
+    order_idx = all_gather_rows(cat(idx, (0,), torch.long, "cpu")).cpu()
+    image_f = all_gather_rows(cat(imgs, (0, dim), torch.float32, feat_device)).cpu()
+    text_f = all_gather_rows(cat(txts, (0, dim), torch.float32, feat_device)).cpu()
+    label_all = all_gather_rows(cat(labels, (0,), torch.long, "cpu")).cpu()
+    if torch.unique(order_idx).numel() != order_idx.numel():
+        raise RuntimeError("evaluation counted a sample twice: the per-rank slices overlap")
+    order = order_idx.argsort()
+    return image_f[order], text_f[order], label_all[order]
+
+
 def evaluate(
     forward: Forward,
     s: EvalSettings,
@@ -83,19 +102,7 @@ def evaluate(
         txts.append(out["text_features"].float())
         labels.append(label)
     agree(error)
-    dim = out["image_features"].shape[-1]
-    feat_device = out["image_features"].device
-    cat = lambda xs, shape, dt, dev: torch.cat(xs) if xs else torch.zeros(shape, dtype=dt, device=dev)  # noqa: E731
-    # Gathered on the device (NCCL has no CPU backend), then brought to the host for the metrics, whose
-    # memory is O(chunk * N_val) on the CPU rather than on the accelerator.
-    order_idx = all_gather_rows(cat(idx, (0,), torch.long, "cpu")).cpu()
-    image_f = all_gather_rows(cat(imgs, (0, dim), torch.float32, feat_device)).cpu()
-    text_f = all_gather_rows(cat(txts, (0, dim), torch.float32, feat_device)).cpu()
-    label_all = all_gather_rows(cat(labels, (0,), torch.long, "cpu")).cpu()
-    order = order_idx.argsort()
-    image_f, text_f, label_all = image_f[order], text_f[order], label_all[order]
-    if torch.unique(order_idx).numel() != order_idx.numel():
-        raise RuntimeError("evaluation counted a sample twice: the per-rank slices overlap")
+    image_f, text_f, label_all = _gather_in_order(idx, imgs, txts, labels, out["image_features"])
     scale = float(out["logit_scale"].float().reshape(-1)[0])
     bias = out.get("logit_bias")
     metrics: dict[str, float] = {"val_samples": float(image_f.shape[0])}

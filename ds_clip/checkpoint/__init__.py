@@ -1,0 +1,174 @@
+"""Checkpoints through DeepSpeed's own save/load, with a pointer that is only ever complete.
+
+DeepSpeed writes its ``latest`` file from rank 0 before the other ranks finish, and returns
+``(None, None)`` with a warning when nothing is found. ds_clip saves with ``save_latest=False``,
+waits for every rank, writes a manifest of every file with its size and checksum, marks the folder
+complete, then replaces ``latest_complete`` atomically; only then are older checkpoints pruned
+(``--keep-checkpoints``). A resume that cannot find a complete checkpoint, finds a file of the
+manifest missing or cut short, or finds another model is an error, never a silent fresh start.
+
+Checksums (xxh3-128, about 10 GiB/s on one core): each rank hashes the files it wrote right after
+DeepSpeed's checkpoint engine closes them (still in the page cache), so the work is spread over the ranks
+and no file is read from disk again. ``verify`` checks them on resume (each rank a share of the files):
+a byte flipped after the save (a bad copy, a disk error) is refused naming the file, where torch's zip
+reader would load it silently. A save that fails (a full disk, no permission, a quota) is reported in one
+line by ``SaveError``, its partial folder removed and the last complete checkpoint kept.
+
+A checkpoint folder ``checkpoints/step_XXXXXXXX/`` holds DeepSpeed's files, ``rank{r}.json`` per rank
+(data position and RNG states), ``ds_clip_meta.json`` (step, epoch, samples, run shape, model config
+and parameter shapes, resolved settings), ``manifest.json`` and the ``COMPLETE`` marker.
+
+Resume on another world size (or ZeRO stage) keeps the global batch N = W*k*m (--global-batch-size re-derives
+k; with --accum-freq, change it):
+ZeRO-0 fp32 keeps its whole optimizer state in one file and loads natively; ZeRO-1/2 go through
+DeepSpeed's universal checkpoint (``deepspeed.checkpoint.ds_to_universal``, written next to the
+new run's checkpoints); ZeRO-3 takes the same universal per-parameter files, written into this
+rank's partitions by ``_load_resharded`` (DeepSpeed 0.19.8's own ZeRO-3 universal load is off by
+~10% of a step on CPU, measured; see docs/checkpoints.md).
+
+The package, by job: ``layout`` (names, tags, errors) → ``rng`` → ``manifest`` (sizes and checksums) → ``save``
+→ ``find`` (what ``--resume`` names, complete and intact) → ``load`` (checks and the load) → ``cadence``
+(``Checkpointer``: when the trainer saves, and its resume). Every name is importable from ``ds_clip.checkpoint``.
+"""
+
+from __future__ import annotations
+
+from ds_clip.checkpoint.cadence import (
+    Checkpointer,
+    CheckpointPart,
+    epochs_done_at,
+    on_cadence,
+)
+from ds_clip.checkpoint.find import (
+    is_intact,
+    newest_intact_before,
+    read_meta,
+    resolve,
+    verify,
+    verify_resume,
+)
+from ds_clip.checkpoint.layout import (
+    MANIFEST,
+    MARKER,
+    META,
+    POINTER,
+    TAG_PREFIX,
+    UNIVERSAL_PREFIX,
+    CheckpointError,
+    CorruptCheckpointError,
+    SaveError,
+    _rank,
+    _step_of,
+    _world,
+    _write_json_atomic,
+    param_shapes,
+    tag_for,
+)
+from ds_clip.checkpoint.load import (
+    _RESUME_DEFAULTS,
+    _RESUME_FLAGS,
+    RESUME_FIXED,
+    ResumeSettingsError,
+    _copy_slice,
+    _deepspeed_safe_globals,
+    _has_zero_files,
+    _load_common,
+    _load_other_shape,
+    _load_resharded,
+    _universal_dir,
+    check_compatible,
+    check_resume_settings,
+    install_safe_loading,
+    load,
+    safe_load,
+)
+from ds_clip.checkpoint.manifest import (
+    _CHUNK,
+    CHECKSUM,
+    _listing,
+    _manifest,
+    file_checksum,
+    first_mismatch,
+    manifest_files,
+)
+from ds_clip.checkpoint.rng import (
+    rng_state,
+    set_rng_state,
+)
+from ds_clip.checkpoint.save import (
+    OutputError,
+    RunFolderError,
+    _SaveGuard,
+    _why_write_failed,
+    check_fresh_run_folder,
+    check_output_space,
+    check_writable,
+    estimate_bytes,
+    prune,
+    remove_partial,
+    save,
+)
+
+__all__ = [
+    "CHECKSUM",
+    "CheckpointError",
+    "CheckpointPart",
+    "Checkpointer",
+    "CorruptCheckpointError",
+    "MANIFEST",
+    "MARKER",
+    "META",
+    "OutputError",
+    "POINTER",
+    "RESUME_FIXED",
+    "ResumeSettingsError",
+    "RunFolderError",
+    "SaveError",
+    "TAG_PREFIX",
+    "UNIVERSAL_PREFIX",
+    "_CHUNK",
+    "_RESUME_DEFAULTS",
+    "_RESUME_FLAGS",
+    "_SaveGuard",
+    "_copy_slice",
+    "_deepspeed_safe_globals",
+    "_has_zero_files",
+    "_listing",
+    "_load_common",
+    "_load_other_shape",
+    "_load_resharded",
+    "_manifest",
+    "_rank",
+    "_step_of",
+    "_universal_dir",
+    "_why_write_failed",
+    "_world",
+    "_write_json_atomic",
+    "check_compatible",
+    "check_fresh_run_folder",
+    "check_output_space",
+    "check_resume_settings",
+    "check_writable",
+    "epochs_done_at",
+    "estimate_bytes",
+    "file_checksum",
+    "first_mismatch",
+    "install_safe_loading",
+    "is_intact",
+    "load",
+    "manifest_files",
+    "newest_intact_before",
+    "on_cadence",
+    "param_shapes",
+    "prune",
+    "read_meta",
+    "remove_partial",
+    "resolve",
+    "rng_state",
+    "safe_load",
+    "save",
+    "set_rng_state",
+    "tag_for",
+    "verify",
+    "verify_resume",
+]

@@ -1,0 +1,353 @@
+"""Loading: the checks a resume makes (model, global batch, optimizer flags), safe unpickling, and the
+load itself, on the same or another world size or ZeRO stage."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ds_clip.checkpoint.find import (
+    read_meta,
+    resolve,
+)
+from ds_clip.checkpoint.layout import (
+    MARKER,
+    UNIVERSAL_PREFIX,
+    CheckpointError,
+    _rank,
+    _world,
+)
+from ds_clip.checkpoint.rng import (
+    set_rng_state,
+)
+from ds_clip.distributed import barrier as _barrier
+from ds_clip.distributed import broadcast_object
+from ds_clip.errors import UserError
+from ds_clip.geometry import BatchGeometry
+
+
+class ResumeSettingsError(UserError):
+    """A resume whose optimizer flags differ from the checkpoint's: the load would silently undo them."""
+
+
+# Optimizer hyperparameters a resume cannot change: DeepSpeed's load restores each parameter group's lr,
+# weight_decay, betas and eps from the optimizer state, and the LR scheduler's state restores every group's
+# peak (base_lrs). A changed flag would be parsed, logged, and then overwritten by the old value. The
+# schedule's shape (--warmup, --lr-scheduler, --epochs...) is rebuilt from the flags and does take effect.
+# --opt too: the optimizer state of one optimizer is no state of another (a checkpoint without the key is from
+# before --opt, i.e. AdamW).
+RESUME_FIXED = ("lr", "visual_lr", "text_lr", "wd", "visual_wd", "text_wd", "visual_ld", "text_ld",
+                "beta1", "beta2", "eps", "optimizer", "momentum")  # fmt: skip
+_RESUME_FLAGS = {"optimizer": "--opt"}  # fields whose flag is not "--" + the name
+# Per-tower flags default to the shared one (--visual-lr none = --lr): compare what each resolves to.
+_RESUME_DEFAULTS = {"visual_lr": "lr", "text_lr": "lr", "visual_wd": "wd", "text_wd": "wd"}
+
+
+def check_resume_settings(saved: dict[str, Any], current: dict[str, Any], flag: str) -> None:
+    """Raise ResumeSettingsError naming each optimizer flag whose value differs from the checkpoint's run."""
+
+    def resolved(settings: dict[str, Any], name: str) -> Any:
+        value = settings.get(name)
+        return settings.get(_RESUME_DEFAULTS[name]) if value is None and name in _RESUME_DEFAULTS else value
+
+    changed = [
+        f"{_RESUME_FLAGS.get(n, '--' + n.replace('_', '-'))} {resolved(saved, n)} there, {resolved(current, n)} here"
+        for n in RESUME_FIXED
+        if n in saved and resolved(saved, n) != resolved(current, n)
+    ]
+    if changed:
+        raise ResumeSettingsError(
+            f"{flag}: the checkpoint's optimizer state would silently restore its own values of "
+            f"{'; '.join(changed)}. Resume with the checkpoint's values, or export it (ds-clip-export) and "
+            "start a new run with --pretrained and the new values"
+        )
+
+
+def _deepspeed_safe_globals() -> list:
+    # The few non-tensor classes DeepSpeed 0.19.x pickles into its checkpoint files; anything else
+    # would need arbitrary unpickling and is refused.
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def safe_load(path: str | Path, flag: str = "--resume") -> Any:
+    """torch.load with ``weights_only=True`` (tensors, containers and DeepSpeed's own few types).
+
+    A file that needs arbitrary unpickling could run code on load: refuse it with an explanation.
+    """
+    import pickle
+
+    try:
+        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"{flag}: {path} needs arbitrary unpickling to load (torch.load weights_only=True refused it: "
+            f"{first[:200]}); ds_clip only loads tensors and DeepSpeed's own types from files, because "
+            "unpickling can run code. Re-save it as a plain state dict or safetensors from a source you trust."
+        ) from exc
+
+
+def install_safe_loading(engine) -> None:
+    """Make DeepSpeed's own checkpoint reads go through ``safe_load`` (it passes weights_only=False)."""
+    ce = engine.checkpoint_engine
+    if ce is not None and not getattr(ce, "_ds_clip_safe", False):
+        ce.load = lambda path, map_location=None: safe_load(path)
+        ce._ds_clip_safe = True
+
+
+def check_compatible(
+    meta: dict[str, Any], flag: str, *, shapes: dict[str, list[int]], global_batch: int, world_size: int
+) -> None:
+    """Raise CheckpointError if the checkpoint's model or global batch differ from this run's."""
+    saved = meta["param_shapes"]
+    if saved != shapes:
+        missing = sorted(set(shapes) - set(saved))
+        extra = sorted(set(saved) - set(shapes))
+        differ = sorted(n for n in set(saved) & set(shapes) if saved[n] != shapes[n])
+        detail = (
+            f"missing in checkpoint: {missing[:3]}"
+            if missing
+            else f"not in this model: {extra[:3]}"
+            if extra
+            else f"{differ[0]} is {saved[differ[0]]} there, {shapes[differ[0]]} here"
+        )
+        raise CheckpointError(
+            f"{flag}: incompatible model: the checkpoint was saved from --model {meta.get('model')!r} ({detail}); "
+            "resume with the same --model, or export it (ds-clip-export) and fine-tune with --pretrained"
+        )
+    saved = BatchGeometry(meta["world_size"], meta["accum_freq"], meta["micro_batch_size"])
+    if saved.global_batch != global_batch:
+        hint = f": use --global-batch-size {saved.global_batch}"
+        try:  # or the --accum-freq that keeps the saved N on this run's ranks with the saved micro-batch
+            keep = BatchGeometry.for_global_batch(world_size, saved.micro_batch_size, saved.global_batch)
+            hint += f" (or --batch-size {keep.micro_batch_size} --accum-freq {keep.accum_freq})"
+        except ValueError:
+            pass
+        raise CheckpointError(
+            f"{flag}: the checkpoint trained global batch N = W*k*m = {saved.world_size}*{saved.accum_freq}*"
+            f"{saved.micro_batch_size} = {saved.global_batch}, this run {global_batch}; a resume keeps N{hint} (or "
+            "start a new run with --pretrained from an export)"
+        )
+
+
+def load(
+    engine,
+    run_dir: Path | None,
+    resume: str,
+    *,
+    shapes: dict[str, list[int]] | None = None,
+    global_batch: int | None = None,
+    settings: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Every rank calls this; returns {'step', 'epoch', 'samples_seen', 'data', 'path', 'meta', 'resharded'}.
+
+    ``shapes`` (param_shapes of the model before deepspeed.initialize) and ``global_batch`` are checked
+    against the checkpoint first, for a clear error instead of DeepSpeed's size mismatch; ``settings`` (this
+    run's, flat) for optimizer flags the load would silently undo (``check_resume_settings``).
+    """
+    install_safe_loading(engine)
+    flag = f"--resume {resume}"
+    path = resolve(run_dir, resume)
+    meta = read_meta(path)
+    world, rank = _world(), _rank()
+    if shapes is not None and global_batch is not None:
+        check_compatible(meta, flag, shapes=shapes, global_batch=global_batch, world_size=world)
+    if settings is not None and meta.get("settings"):
+        check_resume_settings(meta["settings"], settings, flag)
+    stage = int(engine.zero_optimization_stage())
+    same_shape = meta["world_size"] == world and meta["zero_stage"] == stage
+    try:
+        if same_shape or (meta["zero_stage"] == 0 and stage == 0 and not _has_zero_files(path)):
+            # ZeRO-0 fp32 saves the whole optimizer state in one file: any world size loads it.
+            load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
+            if load_path is None:
+                raise CheckpointError(f"{flag}: DeepSpeed found no checkpoint in {path}")
+        else:
+            _load_other_shape(engine, path, meta, stage, flag, run_dir)
+    except CheckpointError:
+        raise
+    except (RuntimeError, ValueError, KeyError, OSError, AssertionError) as exc:
+        raise CheckpointError(f"{flag}: cannot load {path}: {type(exc).__name__}: {exc}") from exc
+    # This rank's data position and RNG; on another world size, rank 0's position (the data loader counts
+    # whole micro-batches from it) and the RNG state of rank r mod W_saved.
+    own = path / f"rank{rank}.json"
+    src = own if meta["world_size"] == world else path / f"rank{rank % meta['world_size']}.json"
+    per_rank = json.loads(src.read_text())
+    data_state = (
+        per_rank["data"]
+        if meta["world_size"] == world
+        else json.loads((path / "rank0.json").read_text())["data"]
+    )
+    set_rng_state(per_rank["rng"])
+    return {
+        "step": int(meta["step"]),
+        "epoch": meta.get("epoch"),
+        "samples_seen": meta.get("samples_seen"),
+        "data": data_state,
+        "path": str(path),
+        "meta": meta,
+        "resharded": not same_shape,
+    }
+
+
+def _has_zero_files(path: Path) -> bool:
+    return any(path.glob("*zero_pp_rank_*_optim_states.pt"))
+
+
+def _universal_dir(path: Path, run_dir: Path | None, flag: str) -> Path:
+    """Convert ``path`` to DeepSpeed's universal layout once (rank 0), next to this run's checkpoints."""
+    from argparse import Namespace
+
+    out_root = (run_dir / "checkpoints") if run_dir is not None else path.parent
+    out = out_root / f"{UNIVERSAL_PREFIX}{path.parent.parent.name}-{path.name}"
+    error = [None]
+    if _rank() == 0 and not (out / MARKER).exists():
+        try:
+            from deepspeed.checkpoint import ds_to_universal
+
+            if out.exists():
+                shutil.rmtree(out)
+            out.mkdir(parents=True)
+            ds_to_universal.main(
+                Namespace(
+                    input_folder=str(path),
+                    output_folder=str(out),
+                    num_extract_workers=1,
+                    num_merge_workers=1,
+                    keep_temp_folder=False,
+                    strict=True,
+                    inject_missing_state=True,
+                )
+            )
+            (out / MARKER).write_text(path.name)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            error[0] = f"{type(exc).__name__}: {exc}"
+    error[0] = broadcast_object(error[0], src=0)
+    if error[0] is not None:
+        raise CheckpointError(
+            f"{flag}: converting {path} to DeepSpeed's universal checkpoint failed ({error[0]}); resume on "
+            "the world size and ZeRO stage it was saved with, or export it and fine-tune with --pretrained"
+        )
+    return out
+
+
+def _load_other_shape(engine, path: Path, meta: dict[str, Any], stage: int, flag: str, run_dir) -> None:
+    if meta["zero_stage"] == 0 and not _has_zero_files(path):
+        raise CheckpointError(
+            f"{flag}: the checkpoint is ZeRO-0 and this run ZeRO-{stage}: resume with --zero-stage 0 (any world "
+            "size), or export it and fine-tune with --pretrained"
+        )
+    if stage == 0:
+        raise CheckpointError(
+            f"{flag}: the checkpoint is ZeRO-{meta['zero_stage']} on {meta['world_size']} ranks; a different "
+            "world size needs ZeRO-1, 2 or 3 here (--zero-stage)"
+        )
+    universal = _universal_dir(path, run_dir, flag)
+    try:
+        if stage in (1, 2):
+            # DeepSpeed's own universal load is exact for ZeRO-1/2 (tested); the engine reads this switch at load.
+            config = engine._config
+            saved, config.load_universal_checkpoint = config.load_universal_checkpoint, True
+            try:
+                load_path, _ = engine.load_checkpoint(str(universal.parent), tag=universal.name)
+            finally:
+                config.load_universal_checkpoint = saved
+            if load_path is None:
+                raise CheckpointError(f"{flag}: DeepSpeed found no checkpoint in {universal}")
+        else:
+            _load_resharded(engine, universal / "zero")
+            _load_common(engine, path)
+    finally:
+        # The converted copy (full fp32 weights and moments) is only a means of loading: drop it once all
+        # ranks have read it; the next save of this run is a normal checkpoint on the new world size.
+        _barrier()
+        if _rank() == 0:
+            shutil.rmtree(universal, ignore_errors=True)
+
+
+def _load_common(engine, path: Path) -> None:
+    """What is not per parameter: LR scheduler, engine counters, module buffers (BatchNorm statistics)."""
+    files = sorted(path.glob("*mp_rank_00_model_states.pt"))
+    state = safe_load(files[0])
+    if engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+        sched = engine.lr_scheduler
+        sched.load_state_dict(state["lr_scheduler"])
+        # A scheduler writes the learning rate into the optimizer only when it steps: do it for the saved one.
+        for group, lr in zip(engine.optimizer.param_groups, sched.get_last_lr()):
+            group["lr"] = lr
+    engine.global_steps = state.get("global_steps", engine.global_steps)
+    engine.global_samples = state.get("global_samples", engine.global_samples)
+    module_state = state.get("module") or {}
+    with torch.no_grad():
+        for name, buf in engine.module.named_buffers():
+            if name in module_state:
+                buf.copy_(module_state[name].to(buf.dtype).view_as(buf))
+
+
+def _load_resharded(engine, zero_dir: Path) -> None:
+    """ZeRO-3: write full per-parameter fp32 weights and Adam moments (DeepSpeed's universal layout,
+    zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt) into this rank's partitions and working shards."""
+    opt = engine.optimizer
+    if not hasattr(opt, "_get_fp32_opt_state_partition"):
+        raise CheckpointError(f"resharding into a {type(opt).__name__} optimizer is not supported")
+    # Adam creates its state at the first step; a resumed engine has not stepped yet: create it empty.
+    for flat in opt.fp32_partitioned_groups_flat:
+        state = opt.optimizer.state[flat]
+        if not state:
+            state.update(
+                step=torch.tensor(0.0), exp_avg=torch.zeros_like(flat), exp_avg_sq=torch.zeros_like(flat)
+            )
+    step_value = None
+    for name, p in engine.module.named_parameters():
+        folder = zero_dir / name
+        if not (folder / "fp32.pt").exists():
+            raise CheckpointError(f"universal checkpoint {zero_dir} has no state for parameter {name}")
+        rank = opt._get_param_partition_rank(p)
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            f = folder / f"{key}.pt"
+            if not f.exists():
+                continue
+            t = safe_load(f)
+            value = (t["param"] if isinstance(t, dict) else t).float().flatten()
+            # This rank holds elements [rank*part, (rank+1)*part) of the zero-padded flat parameter.
+            part, _ = opt._get_fp32_opt_state_partition(
+                p, release_swap_buffers=False, optim_state_key=None if key == "fp32" else key
+            )
+            _copy_slice(part.data, value, rank)
+            if key == "fp32":
+                _copy_slice(p.ds_tensor.data, value, rank)
+        if step_value is None and (folder / "step.pt").exists():
+            s = safe_load(folder / "step.pt")
+            step_value = s["param"] if isinstance(s, dict) else s
+    if step_value is None and (zero_dir / "optimizer_state.pt").exists():  # ZeRO-3 sources keep it here
+        common = safe_load(zero_dir / "optimizer_state.pt")
+        states = common.get("optimizer_state_dict", {}).get("state", {})
+        step_value = next((st["step"] for st in states.values() if "step" in st), None)
+    if step_value is None:
+        raise CheckpointError(f"universal checkpoint {zero_dir} records no optimizer step count")
+    # Adam's step count (bias correction) is kept per flat partition; the same for every parameter.
+    if step_value is not None:
+        for st in opt.optimizer.state.values():
+            if "step" in st:
+                st["step"] = (
+                    step_value.clone() if torch.is_tensor(st["step"]) else type(st["step"])(step_value)
+                )
+
+
+def _copy_slice(dst: torch.Tensor, full: torch.Tensor, rank: int) -> None:
+    n = dst.numel()
+    start = n * rank
+    take = max(0, min(n, full.numel() - start))
+    flat = dst.view(-1)
+    flat.zero_()
+    if take:
+        flat[:take].copy_(full[start : start + take].to(flat.dtype))
