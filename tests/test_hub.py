@@ -385,3 +385,35 @@ def test_pretrained_image_loads_timms_hub_weights_into_the_image_tower(hub, tmp_
     exported = _exported(tmp_path / "logs" / "timm", tmp_path / "export", env)
     compared = [k for k in trunk if f"visual.trunk.{k}" in exported and not k.startswith("head")]
     assert compared and all(torch.equal(exported[f"visual.trunk.{k}"], trunk[k]) for k in compared)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_distill_from_a_pretrained_tag_fetches_the_teacher_once_per_host(hub, tmp_path):
+    """`--distill-model ViT-B-32 --distill-pretrained laion2b_s34b_b79k` under `deepspeed --num_gpus 2`: offline
+    with an empty cache the teacher's weights are refused in one line naming the tag's repo (no request, no
+    traceback); online, local rank 0 fetches them once and both ranks train the student against that teacher."""
+    from ds_clip_harness.models import write_pretrained_dir
+
+    student = write_pretrained_dir(tmp_path / "student", E2E_MODEL)
+    teacher = ("--distill-model", "ViT-B-32", "--distill-pretrained", "laion2b_s34b_b79k")
+    launch = ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "ds_clip.train"]
+    hub.reset()
+    offline = _env(hub, tmp_path / "hf", HF_HUB_OFFLINE="1")
+    proc = _run([*launch, *_train_args(student, tmp_path / "logs", "refused", *teacher, steps=1)], offline)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("ds-clip-train: error:")]
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert errors and TAG_REPO in errors[0] and len(set(errors)) == 1, proc.stderr[-3000:]
+    assert hub.total() == 0, dict(hub.requests)
+
+    hub.reset()
+    launch[4] = str(_free_port())
+    proc = _run(
+        [*launch, *_train_args(student, tmp_path / "logs", "distill", *teacher)], _env(hub, tmp_path / "hf")
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert hub.gets(TAG_REPO, WEIGHTS) == 1, dict(hub.requests)
+    settings = json.loads((tmp_path / "logs" / "distill" / "settings.json").read_text())
+    assert (settings["distill_model"], settings["distill_pretrained"]) == ("ViT-B-32", "laion2b_s34b_b79k")
+    assert (tmp_path / "logs" / "distill" / "checkpoints" / "latest_complete").exists()
