@@ -426,7 +426,8 @@ def test_full_disk_on_two_ranks_every_rank_agrees_and_the_run_stops(model_dir, s
     does not fit. Every rank reports the same line (the failing rank's file and reason), none hangs in
     DeepSpeed's save barriers, the launcher exits 1, latest_complete still names the first checkpoint."""
     disk = small_disk(int(_checkpoint_mib(model_dir) * 2.4))
-    args = _args(model_dir, disk / "logs", "two", "--save-every-n-steps", "2", steps=4)
+    # ZeRO-1 named: fp32 on 2 ranks defaults to ZeRO-0, whose checkpoints (12 bytes a parameter) would both fit.
+    args = _args(model_dir, disk / "logs", "two", "--save-every-n-steps", "2", "--zero-stage", "1", steps=4)
     code, out = _finish(_deepspeed(args))
     assert code == 1 and "Traceback" not in out, out[-4000:]
     lines = [ln for ln in out.splitlines() if ln.startswith(ERROR)]
