@@ -10,6 +10,7 @@ ds_clip.ds_config resolves a preset against the flags, and neither has to import
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -71,23 +72,33 @@ def preset_label(name_or_path: str) -> str:
     return name_or_path if name_or_path.endswith(".json") else f"ds_configs/{name_or_path}.json"
 
 
-def load_preset(name_or_path: str) -> dict[str, Any]:
-    """A preset name (ds_configs/<name>.json) or a path ending .json -> its JSON object."""
+def load_shipped_json(
+    name_or_path: str, folder: Any, *, flag: str, kind: str, shipped: Callable[[], list[str]]
+) -> tuple[Path, Any]:
+    """A file shipped in the wheel, by name (``folder``/<name>.json), or a user's path ending .json -> the path
+    and its parsed JSON. The one loader of the presets (--ds-config) and the recipes (--recipe): SettingsError
+    naming ``flag`` for a missing file (listing the ``shipped`` names of this ``kind``) or invalid JSON."""
     if name_or_path.endswith(".json"):
         path = Path(name_or_path).expanduser()
         if not path.is_file():
-            raise SettingsError(f"--ds-config {name_or_path}: no such file")
+            raise SettingsError(f"{flag} {name_or_path}: no such file")
     else:
-        path = PRESET_DIR / f"{name_or_path}.json"
+        path = folder / f"{name_or_path}.json"
         if not path.is_file():
             raise SettingsError(
-                f"--ds-config {name_or_path!r} is neither a preset ({', '.join(list_presets())}) "
-                "nor a path ending .json"
+                f"{flag} {name_or_path!r} is neither {kind} ({', '.join(shipped())}) nor a path ending .json"
             )
     try:
-        data = json.loads(path.read_text())
+        return path, json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise SettingsError(f"--ds-config {path}: not valid JSON ({e})") from None
+        raise SettingsError(f"{flag} {path}: not valid JSON ({e})") from None
+
+
+def load_preset(name_or_path: str) -> dict[str, Any]:
+    """A preset name (ds_configs/<name>.json) or a path ending .json -> its JSON object."""
+    path, data = load_shipped_json(
+        name_or_path, PRESET_DIR, flag="--ds-config", kind="a preset", shipped=list_presets
+    )
     if not isinstance(data, dict):
         raise SettingsError(f"--ds-config {path}: the top level must be a JSON object")
     return data

@@ -7,18 +7,17 @@ A recipe file is {"description": ..., "source": ..., "settings": {FIELD: VALUE, 
 the flags' dests (``global_batch_size``, ``lr``, ``warmup``...), as settings.json writes them. It never sets m,
 W or k: N is fixed and k = N / (W*m) follows from the world size the job gets, so one recipe runs on any
 number of GPUs. ds_clip.config applies it under the command line (flags given there win, except another N)
-and checks every key and value against the flags. A low module (standard library and ds_clip.errors only),
-beside ds_clip.presets, whose shipped files sit next to these in the wheel.
+and checks every key and value against the flags. A low module just above ds_clip.presets, whose loader of
+shipped JSON files it shares (their files sit side by side in the wheel).
 """
 
 from __future__ import annotations
 
-import json
 from importlib.resources import files
-from pathlib import Path
 from typing import Any
 
 from ds_clip.errors import SettingsError
+from ds_clip.presets import load_shipped_json
 
 RECIPE_DIR = files("ds_clip") / "recipes"
 
@@ -31,21 +30,9 @@ def list_recipes() -> list[str]:
 def load_recipe(name_or_path: str) -> dict[str, Any]:
     """A recipe name (ds_clip/recipes/<name>.json) or a path ending .json -> the recipe object, its "settings"
     a dict. SettingsError naming --recipe for a missing file, bad JSON or a missing "settings" object."""
-    if name_or_path.endswith(".json"):
-        path = Path(name_or_path).expanduser()
-        if not path.is_file():
-            raise SettingsError(f"--recipe {name_or_path}: no such file")
-    else:
-        path = RECIPE_DIR / f"{name_or_path}.json"
-        if not path.is_file():
-            raise SettingsError(
-                f"--recipe {name_or_path!r} is neither a shipped recipe ({', '.join(list_recipes())}) nor a path "
-                "ending .json"
-            )
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SettingsError(f"--recipe {name_or_path}: not valid JSON ({exc})") from None
+    _, data = load_shipped_json(
+        name_or_path, RECIPE_DIR, flag="--recipe", kind="a shipped recipe", shipped=list_recipes
+    )
     if not isinstance(data, dict) or not isinstance(data.get("settings"), dict):
         raise SettingsError(f'--recipe {name_or_path}: expected a JSON object with a "settings" object')
     return data
