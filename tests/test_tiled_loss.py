@@ -410,12 +410,12 @@ def test_memory_is_not_quadratic() -> None:
 
 
 def test_auto_switches_to_tiled_where_the_measured_curves_cross() -> None:
-    """--loss-impl auto: the global CLIP loss is tiled from N = 1024 on, --local-loss, SigLIP and distillation
+    """--loss-impl auto: the global CLIP loss is tiled from N = 128 on, --local-loss, SigLIP and distillation
     from N = 8192 on (docs/loss.md#where---loss-impl-auto-switches); explicit choices are kept."""
     from ds_clip.loss import TILED_FROM_N, resolve_impl
 
-    assert TILED_FROM_N == {"clip": 1024, "clip_local": 8192, "siglip": 8192, "distill": 8192}
-    assert [resolve_impl("auto", n) for n in (512, 1023, 1024, 4096)] == ["dense", "dense", "tiled", "tiled"]
+    assert TILED_FROM_N == {"clip": 128, "clip_local": 8192, "siglip": 8192, "distill": 8192}
+    assert [resolve_impl("auto", n) for n in (64, 127, 128, 4096)] == ["dense", "dense", "tiled", "tiled"]
     for kind in (
         {"siglip": True},
         {"local_loss": True},

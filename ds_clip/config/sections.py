@@ -308,8 +308,8 @@ class LossSettings:
     """Sigmoid (SigLIP) loss instead of the softmax CLIP loss."""
     loss_impl: str = opt("auto", choices=LOSS_IMPLS, open_clip="ds_clip only")
     """"dense" (whole logit matrix in memory), "tiled" (blocks of it, O(tile*N) memory) or "auto": tiled
-    from the global batch on where it is also the faster one on a CPU (docs/loss.md): 1024 pairs for the global
-    CLIP loss, 8192 for --local-loss, SigLIP and distillation; dense below."""
+    from the global batch on where it is the faster one on a CPU (docs/loss.md): 128 pairs for the global CLIP
+    loss; 8192 for --local-loss, SigLIP and distillation, where dense's N x N matrices pass a GiB; dense below."""
     loss_tile_size: int = opt(4096, metavar="PAIRS", unit="pairs", open_clip="ds_clip only")
     """Rows and columns of one block of the logit matrix in the tiled loss: memory grows as tile x N."""
     coca_contrastive_loss_weight: float = opt(1.0, metavar="W")
