@@ -35,10 +35,11 @@ add sbs_tiny_w4 "$(sbs sbs_tiny_w4 --ranks 4 --k 1 8 -- $TINY)"
 # (dense = open_clip's ClipLoss, which open_clip's accumulation loop computes in each of its k passes).
 add large_n "$(sbs large_n --k 16 --steps 5 --ds-clip-flags=--loss-impl=tiled -- --model ds-clip-tiny --batch-size 256)"
 add loss_4096 "python benchmarks/bench_loss.py --sizes 1024 2048 4096 8192 --losses clip siglip --threads 1 --json $OUT/quiet_loss_4096.json"
+add loss_small "python benchmarks/bench_loss.py --sizes 128 256 512 1024 --losses clip --threads 1 --repeats 5 --json $OUT/quiet_loss_small.json"
 # Loader: ds_clip's webdataset pipeline against open_clip_train's get_wds_dataset, same JPEG shards, 224 px.
-add loader "python benchmarks/bench_loader.py --open-clip --sizes 224 --workers 1 2 --json $OUT/quiet_loader.json"
+add loader "python benchmarks/bench_loader.py --open-clip --sizes 224 --workers 1 2 --seconds 10 --json $OUT/quiet_loader.json"
 # The price of exactness: the cached step against DeepSpeed's gradient_accumulation_steps = k.
-add exactness_cost "python benchmarks/bench_exactness_cost.py --model ViT-B-32 --image-size 64 --batch-size 4 --k 2 4 8 --world-sizes 1 2 --json $OUT/quiet_exactness_cost.json"
+add exactness_cost "python benchmarks/bench_exactness_cost.py --model ViT-B-32 --image-size 64 --batch-size 4 --k 2 4 8 --world-sizes 1 2 --steps 5 --json $OUT/quiet_exactness_cost.json"
 # Memory per rank of the multi-rank default against ZeRO-1 and ZeRO-2 (peak RSS of one step, largest over ranks;
 # memory does not depend on load, the step times beside it do).
 add mem_w4 "python benchmarks/bench_accum.py --models ds-clip-tiny ViT-B-32 --image-size 64 --batch-size 4 --k 1 8 --world-sizes 2 4 --zero-stages 0 1 2 --steps 2 --warmup 1 --json $OUT/quiet_mem_w4.json"
