@@ -54,6 +54,17 @@ add prof_tiny_open_clip "$(prof open_clip prof_tiny_open_clip $TINY)"
 add prof_vitb32_default "$(prof ds_clip prof_vitb32_default $VITB)"
 add prof_vitb32_z1 "$(prof ds_clip prof_vitb32_z1 $VITB --zero-stage 1)"
 add prof_vitb32_open_clip "$(prof open_clip prof_vitb32_open_clip $VITB)"
+# The same at 4 ranks, and at k = 8 on 2 ranks.
+prof4() { echo "python benchmarks/profile_step.py $1 --ranks 4 --json $OUT/quiet_$2.json -- ${*:3}"; }
+add prof_tiny_default_w4 "$(prof4 ds_clip prof_tiny_default_w4 $TINY)"
+add prof_tiny_z1_w4 "$(prof4 ds_clip prof_tiny_z1_w4 $TINY --zero-stage 1)"
+add prof_tiny_z2_w4 "$(prof4 ds_clip prof_tiny_z2_w4 $TINY --zero-stage 2)"
+add prof_tiny_z2_coalesce_w4 "$(prof4 ds_clip prof_tiny_z2_coalesce_w4 $TINY --zero-stage 2 --coalesce-grad-reduction on)"
+add prof_tiny_open_clip_w4 "$(prof4 open_clip prof_tiny_open_clip_w4 $TINY)"
+add prof_vitb32_default_w4 "$(prof4 ds_clip prof_vitb32_default_w4 $VITB)"
+add prof_vitb32_z1_w4 "$(prof4 ds_clip prof_vitb32_z1_w4 $VITB --zero-stage 1)"
+add prof_vitb32_default_k8 "$(prof ds_clip prof_vitb32_default_k8 $VITB --accum-freq 8)"
+add prof_vitb32_open_clip_k8 "$(prof open_clip prof_vitb32_open_clip_k8 $VITB --accum-freq 8)"
 
 if [[ -n "${ROWS_LIST:-}" ]]; then
     for row in "${ORDER[@]}"; do echo "$row: ${CMD[$row]}"; done
