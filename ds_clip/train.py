@@ -64,10 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(exc, dist.DistError) and not _looks_like_lost_peer(str(exc)):
             raise
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-        print(
-            f"ds-clip-train: error: lost contact with another rank ({first}): a rank died, the network failed "
-            "or --dist-timeout passed; relaunch with --resume latest to continue from the last complete checkpoint",
-            file=sys.stderr,
+        _error(
+            f"lost contact with another rank ({first}): a rank died, the network failed or --dist-timeout "
+            "passed; relaunch with --resume latest to continue from the last complete checkpoint",
+            False,
         )
         return 1
     return 0
@@ -92,8 +92,11 @@ def _silenced(quiet: bool) -> Iterator[None]:
 
 
 def _error(exc: BaseException | str, quiet: bool) -> None:
+    # One write with its newline: ranks that fail together share the launcher's stderr pipe, and print()'s
+    # separate write of the newline let two ranks' lines run into one.
     if not quiet:
-        print(f"ds-clip-train: error: {exc}", file=sys.stderr)
+        sys.stderr.write(f"ds-clip-train: error: {exc}\n")
+        sys.stderr.flush()
 
 
 def dry_run(s: TrainSettings) -> None:
