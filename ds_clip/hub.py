@@ -355,23 +355,36 @@ def _hf_first_of(n: Need) -> None:
 def offline() -> Iterator[None]:
     """HF_HUB_OFFLINE semantics inside the block, whatever the environment said at import: every hub client
     (huggingface_hub, and transformers through it) answers from the cache or fails, never calls the network.
-    Restored on exit."""
+    Restored on exit.
+
+    ``huggingface_hub.constants.HF_HUB_OFFLINE`` is the client's documented switch (``HF_HUB_OFFLINE=1`` sets it
+    at import). From huggingface_hub 1.0 every request reads it (``constants.is_offline_mode()``); before 1.0 a
+    session mounted its offline adapter once, when built, so the sessions are rebuilt (``reset_sessions``, gone
+    in 1.0). transformers 4.x kept its own copy of the flag (``_is_offline_mode``); 5.x reads the hub's."""
     from huggingface_hub import constants
-    from huggingface_hub.utils import reset_sessions
 
     tf_hub = _transformers_hub()
     before = constants.HF_HUB_OFFLINE, getattr(tf_hub, "_is_offline_mode", None)
     constants.HF_HUB_OFFLINE = True
     if tf_hub is not None:
         tf_hub._is_offline_mode = True
-    reset_sessions()  # sessions are built once per thread; a new one mounts the offline adapter
+    _reset_hub_sessions()
     try:
         yield
     finally:
         constants.HF_HUB_OFFLINE = before[0]
         if tf_hub is not None:
             tf_hub._is_offline_mode = before[1]
-        reset_sessions()
+        _reset_hub_sessions()
+
+
+def _reset_hub_sessions() -> None:
+    """huggingface_hub < 1.0 only: drop the per-thread sessions, so that the next one sees the offline flag."""
+    import huggingface_hub.utils as hf_utils
+
+    reset = getattr(hf_utils, "reset_sessions", None)
+    if reset is not None:
+        reset()
 
 
 def _transformers_hub():

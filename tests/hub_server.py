@@ -2,8 +2,10 @@
 
 It answers what huggingface_hub's ``hf_hub_download`` (0.36) asks: ``HEAD``/``GET /{org}/{repo}/resolve/{rev}/
 {file}`` with ``X-Repo-Commit`` (a 40-hex commit), ``ETag`` and ``Content-Length``; a missing file is a 404
-with ``X-Error-Code: EntryNotFound`` (so open_clip falls back from safetensors to .bin and transformers skips
-optional tokenizer files), a missing repo a 404 with ``RepoNotFound``. Anything else (``/api/...``) is a 404
+with ``X-Error-Code: EntryNotFound`` and, as the real hub sends it, the repo's ``X-Repo-Commit`` (so open_clip
+falls back from safetensors to .bin, transformers skips optional files, and the client records the file's absence
+in the cache: transformers 5's AutoTokenizer looks for a config.json the tokenizer repo lacks, offline too), a
+missing repo a 404 with ``RepoNotFound``. The 2.x client asks the same. Anything else (``/api/...``) is a 404
 and counted too. Point ``HF_ENDPOINT`` at ``hub.url``.
 """
 
@@ -86,10 +88,10 @@ class StandInHub:
         repo, filename = f"{parts[0]}/{parts[1]}", "/".join(parts[4:])
         if repo not in self.repos:
             return self._missing(handler, "RepoNotFound")
-        data = self.repos[repo].get(filename)
+        data, commit = self.repos[repo].get(filename), hashlib.sha1(repo.encode()).hexdigest()
         if data is None:
-            return self._missing(handler, "EntryNotFound")
-        self._send(handler, data, body=body, commit=hashlib.sha1(repo.encode()).hexdigest())
+            return self._missing(handler, "EntryNotFound", commit)
+        self._send(handler, data, body=body, commit=commit)
 
     @staticmethod
     def _send(handler: BaseHTTPRequestHandler, data: bytes, *, body: bool, commit: str | None) -> None:
@@ -104,8 +106,10 @@ class StandInHub:
             handler.wfile.write(data)
 
     @staticmethod
-    def _missing(handler: BaseHTTPRequestHandler, code: str) -> None:
+    def _missing(handler: BaseHTTPRequestHandler, code: str, commit: str | None = None) -> None:
         handler.send_response(404)
         handler.send_header("X-Error-Code", code)
+        if commit is not None:
+            handler.send_header("X-Repo-Commit", commit)
         handler.send_header("Content-Length", "0")
         handler.end_headers()
