@@ -42,6 +42,7 @@ from ds_clip.preemption import StopRequest
 from ds_clip.presets import precision_mapping_text
 from ds_clip.step import StepResult, cached_step, micro_batch_seed
 from ds_clip.step_checks import UntrainedOutputError
+from ds_clip.versions import versions_line
 
 logger = logging.getLogger("ds_clip")
 
@@ -198,6 +199,7 @@ class Trainer:
 
     def _log_precision(self) -> None:
         if self.info.is_main:
+            logger.info("versions: %s", versions_line())  # once per start: what a bug report needs first
             logger.info(
                 "--precision: DeepSpeed %s here (%s)", self.s.dist.precision, precision_mapping_text()
             )

@@ -22,6 +22,7 @@ from ds_clip.config.validation import validate
 from ds_clip.errors import SettingsError
 from ds_clip.presets import deepspeed_precision, preset_precision
 from ds_clip.recipes import load_recipe
+from ds_clip.versions import versions_line
 
 
 def _optional(kind: type):
@@ -78,6 +79,14 @@ def _help(f: Flag, shown_default: str | None) -> str:
     return (f.doc + (f" ({'; '.join(notes)})" if notes else "")).replace("%", "%%")
 
 
+class _PrintVersions(argparse.Action):
+    """--version: one unwrapped line (argparse's own version action folds it to the terminal's width)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(versions_line(), flush=True)
+        parser.exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of `ds-clip-train` / `python -m ds_clip.train`: one flag per settings field."""
     p = argparse.ArgumentParser(
@@ -86,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
         "one optimizer step = accum-freq micro-batches of batch-size pairs on every rank. "
         "Steps are optimizer steps; pairs are image-text samples.",
     )
+    p.add_argument(
+        "--version", action=_PrintVersions, nargs=0, default=argparse.SUPPRESS,
+        help="print the versions of ds_clip, torch, DeepSpeed, open_clip, webdataset, huggingface_hub and "
+        "transformers on one line, and exit",
+    )  # fmt: skip
     for section, cls in TrainSettings.section_types().items():
         group = p.add_argument_group(section, (cls.__doc__ or "").split(": ", 1)[-1])
         add_flags(group, [f.name for f in flags() if f.section == section])
