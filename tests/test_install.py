@@ -52,6 +52,9 @@ SHOWN_PACKAGES = (
     "transformers",
 )
 
+# The first run in a fresh environment JIT-builds DeepSpeed's CPU ops into it (a few minutes of compiling).
+FIRST_RUN_S = 1200
+
 # One training, as small as the CLI allows: m=4 pairs, k=2, 2 optimizer steps.
 TRAIN_ARGS = ["--batch-size", "4", "--accum-freq", "2", "--max-steps", "2", "--warmup", "1",
               "--log-every-n-steps", "1", "--workers", "0", "--train-num-samples", "64",
@@ -255,7 +258,7 @@ def test_console_script_help_and_default_preset_train(fresh):
     # wheel once lacked it).
     logs = fresh["cwd"] / "logs"
     proc = _run([bin_dir / "ds-clip-train", "--model", fresh["model"], "--logs", logs, "--name", "default",
-                 *TRAIN_ARGS], cwd=fresh["cwd"], env=fresh["env"])  # fmt: skip
+                 *TRAIN_ARGS], cwd=fresh["cwd"], env=fresh["env"], timeout=FIRST_RUN_S)  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     _check_run(logs / "default", "zero0_fp32")
 
@@ -275,7 +278,7 @@ def _check_run(run_dir: Path, preset: str) -> None:
 
 def _train_presets(fresh: dict, presets: list[str], logs: Path) -> None:
     proc = _run([fresh["venv"] / "bin" / "python", "-c", DRIVER, fresh["model"], logs, *presets],
-                cwd=fresh["cwd"], env=fresh["env"], timeout=600, input=json.dumps(TRAIN_ARGS))  # fmt: skip
+                cwd=fresh["cwd"], env=fresh["env"], timeout=FIRST_RUN_S, input=json.dumps(TRAIN_ARGS))  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     results = [
@@ -322,7 +325,7 @@ def test_version_names_what_is_installed_and_two_ranks_train(which, request):
     proc = _run(
         [env["venv"] / "bin" / "deepspeed", "--num_gpus", "2", "--module", "ds_clip.train", "--model", env["model"],
          "--logs", logs, "--name", "two-ranks", *TRAIN_ARGS],
-        cwd=env["cwd"], env=env["env"], timeout=600,
+        cwd=env["cwd"], env=env["env"], timeout=FIRST_RUN_S,
     )  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
