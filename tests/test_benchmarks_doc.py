@@ -1,7 +1,7 @@
 """docs/benchmarks.md prints what its records in benchmarks/results/ hold: a figure edited on the page, or a
 record changed without regenerating the page (scripts/gen_benchmarks_doc.py), fails here. Every record names
 its machine, date, load and commands; every raw file a benchmark wrote belongs to a record; the page stays a
-page a user reads (at most 25 kB)."""
+page a user reads (at most 25 kB); the README's headline quotes the record it comes from."""
 
 from __future__ import annotations
 
@@ -54,3 +54,16 @@ def test_every_record_is_on_the_page_and_the_page_stays_short():
     linked = set(re.findall(r"\]\(\.\./benchmarks/results/([^)]+)\.json\)", page))
     assert sorted(set(gen.load_records()) - linked) == [], "records neither shown nor listed in the archive"
     assert DOC.stat().st_size <= 25_000, "docs/benchmarks.md is over 25 kB: move older tables to records"
+
+
+def test_the_readme_headline_is_its_record():
+    """README.md's first screen states the largest global batch of each method, with the command, as the record
+    of that run has them."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    headline = readme[readme.index("**Headline**") :].split("\n\n")[0]
+    record = gen.load_records()["2026-12-03_largest_batch"]
+    largest = {row[2].split()[0].strip("*") for row in record["tables"][0]["rows"]}
+    assert set(re.findall(r"\b\d+k\b", headline)) == largest
+    assert "docs/benchmarks.md#the-largest-global-batch" in headline
+    command = "python benchmarks/bench_largest.py --memory-budget 16 --time-cap 180 --start-n 1024"
+    assert command in record["commands"][0] and command in readme[: readme.index("## Install")]
