@@ -1,7 +1,7 @@
 """What the manifest's checksums cost a save and a resume, on one rank (ViT-B-32 by default).
 
     python benchmarks/bench_checkpoint.py                         # ViT-B-32 at 64 px, ZeRO-0 fp32, ~3 min
-    python benchmarks/bench_checkpoint.py --model ds-clip-tiny --repeats 5 --out docs/bench/checkpoint_tiny.json
+    python benchmarks/bench_checkpoint.py --model ds-clip-tiny --repeats 5 --out benchmarks/results/raw/checkpoint_tiny.json
 
 One DeepSpeed engine (the trainer's builder, from ds-clip-train flags) trains one step, so the checkpoint holds
 the weights and both Adam moments, then saves it alternately with checksums (each file hashed right after

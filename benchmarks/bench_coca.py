@@ -3,7 +3,7 @@
 Run from the repository root with ds_clip installed (scripts/setup.sh) and the `bench` extra (open_clip_train
 imports pandas). The run behind docs/benchmarks.md ("CoCa"; a few minutes on 2 CPU cores):
 
-    python benchmarks/bench_coca.py --k 1 4 8 --json docs/bench/coca_cpu.json
+    python benchmarks/bench_coca.py --k 1 4 8 --json benchmarks/results/raw/coca_cpu.json
 
 Both sides train the same small CoCa (``coca-bench-small`` below: 2-layer towers and decoder of width 128 over
 open_clip's 49408-token vocabulary, 64 px images, 32-token captions) at the same m, k and precision, W = 1,

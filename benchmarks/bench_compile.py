@@ -3,7 +3,7 @@
 Run from the repository root with ds_clip installed (scripts/setup.sh):
 
     python benchmarks/bench_compile.py                                   # ds-clip-tiny, m=16, k=2, ~2 min
-    python benchmarks/bench_compile.py --model ViT-B-32 --batch-size 4 --steps 6 --json docs/bench/x.json
+    python benchmarks/bench_compile.py --model ViT-B-32 --batch-size 4 --steps 6 --json benchmarks/results/raw/x.json
     python benchmarks/bench_compile.py --extra=--precision --extra=bf16 --zero-stage 2   # any train flag
 
 How it measures, and why that way:

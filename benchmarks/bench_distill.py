@@ -2,8 +2,8 @@
 to the same run without a teacher.
 
     python benchmarks/bench_distill.py                         # 4 runs: minutes on 2 quiet cores, ~25 at load 25
-    python benchmarks/bench_distill.py --json docs/bench/distill_cpu.json     # what docs/benchmarks.md shows
-    python benchmarks/bench_distill.py --teacher student-size --json docs/bench/distill_cpu_same_size.json
+    python benchmarks/bench_distill.py --json benchmarks/results/raw/distill_cpu.json     # what docs/benchmarks.md shows
+    python benchmarks/bench_distill.py --teacher student-size --json benchmarks/results/raw/distill_cpu_same_size.json
 
 Each measurement is one ds-clip-train run (the real trainer, ``ds_clip.trainer.Trainer``, one rank, no
 launcher) in a fresh process with ds-clip-train's defaults (ds-clip-tiny, m = 8, ZeRO-0 fp32, synthetic data)

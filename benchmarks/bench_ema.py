@@ -3,7 +3,7 @@ defaults (fp32, the shipped zero{0..3}_fp32 presets, AdamW), on W ranks of this 
 
     python benchmarks/bench_ema.py                                   # ds-clip-tiny, 2 ranks, m=16, k=1
     python benchmarks/bench_ema.py --model ViT-B-32 --force-image-size 64 --batch-size 4 --stages 0 1 2 3 \\
-        --json docs/bench/ema_cpu_vitb32.json
+        --json benchmarks/results/raw/ema_cpu_vitb32.json
 
 One process group of W ranks over gloo; for each stage one engine (built by ds_clip.engine from ds-clip-train
 flags, as the trainer builds it) trains ``--steps`` cached steps on generated pairs; after each step the EMA

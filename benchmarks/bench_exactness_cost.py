@@ -3,7 +3,7 @@
 Run from the repository root (about 8 minutes on 2 quiet CPU cores for ViT-B-32 at 64 px):
 
     python benchmarks/bench_exactness_cost.py --model ViT-B-32 --image-size 64 --batch-size 4 \\
-        --k 2 4 8 --world-sizes 1 2 --steps 5 --json docs/bench/quiet_exactness_cost.json
+        --k 2 4 8 --world-sizes 1 2 --steps 5 --json benchmarks/results/raw/quiet_exactness_cost.json
 
 Quick look: ``python benchmarks/bench_exactness_cost.py --model ds-clip-tiny --k 2 --world-sizes 1 --steps 1``
 

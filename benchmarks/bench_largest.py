@@ -12,7 +12,7 @@ micro-batch m (k = N/m), for CLIP and for SigLIP:
 Run from the repository root (the final measurement: about 2 hours on 2 CPU cores, on a machine with
 at least 18 GiB of free memory; see docs/benchmarks.md):
 
-    PYTHONPATH=. python benchmarks/bench_largest.py --json docs/bench/largest_cpu.json \\
+    PYTHONPATH=. python benchmarks/bench_largest.py --json benchmarks/results/raw/largest_cpu.json \\
         --img docs/img/largest_batch.png
 
 Quick look (a few minutes on 2 cores):
@@ -21,7 +21,7 @@ Quick look (a few minutes on 2 cores):
 
 Re-render the table and the plot from saved JSON, running nothing:
 
-    PYTHONPATH=. python benchmarks/bench_largest.py --report docs/bench/largest_cpu.json \\
+    PYTHONPATH=. python benchmarks/bench_largest.py --report benchmarks/results/raw/largest_cpu.json \\
         --img docs/img/largest_batch.png
 
 How it measures, and why that way:

@@ -17,7 +17,7 @@ sample grouping reads ``sample["fname"]`` from the end-of-shard marker that webd
 dict, ``KeyError: 'fname'``), so the benchmark hands its pipeline webdataset's tar expander with
 ``eof_value=None`` (no marker), which changes nothing else.
 
-    python benchmarks/bench_loader.py --open-clip --sizes 224 --workers 1 2 --json docs/bench/loader_cpu.json
+    python benchmarks/bench_loader.py --open-clip --sizes 224 --workers 1 2 --json benchmarks/results/raw/loader_cpu.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Time lost per elastic restart: two torchrun hosts (2 ranks each), one SIGKILLed mid-run, the other finishes.
 
     python benchmarks/elastic_restart.py                         # tiny model, N=8, ~3 min on 2 CPU cores
-    python benchmarks/elastic_restart.py --out docs/bench/elastic_restart_cpu.json
+    python benchmarks/elastic_restart.py --out benchmarks/results/raw/elastic_restart_cpu.json
 
 The scenario of tests/test_elastic.py (ds_clip_harness.elastic): host A (the rendezvous store) and host B train
 --global-batch-size N on W=4; once a rank logs step --kill-at-step, B's agent and ranks are SIGKILLed. The

@@ -1,7 +1,7 @@
 """ds-clip-train next to open_clip_train as users run them: each trainer's own command line, default flags,
 synthetic data, and the seconds per optimizer step that each trainer's own per-step log prints.
 
-    python benchmarks/side_by_side.py --k 1 8 --json docs/bench/side_by_side_vitb32.json -- \\
+    python benchmarks/side_by_side.py --k 1 8 --json benchmarks/results/raw/side_by_side_vitb32.json -- \\
         --model ViT-B-32 --force-image-size 64 --batch-size 4
     python benchmarks/side_by_side.py --k 1 8 -- --model ds-clip-tiny --batch-size 16
     python benchmarks/side_by_side.py --ranks 2 --k 8 -- --model ViT-B-32 --force-image-size 64 --batch-size 4

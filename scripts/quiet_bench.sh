@@ -5,15 +5,16 @@
 #   bash scripts/quiet_bench.sh sbs_tiny_w1 loader   # only the named rows
 #   ROWS_LIST=1 bash scripts/quiet_bench.sh     # print the row names and commands, run nothing
 #
-# Each row writes docs/bench/quiet_<row>.json (the benchmark's own JSON, every step of the run) and
-# docs/bench/quiet_<row>.log (its output, the table it prints, the 1-minute load before and after), and
-# docs/bench/quiet_machine.txt records the machine. Rows run strictly one at a time; the load before each row
-# is in its log: a row that started above load 0.5 was not quiet (rerun it alone). Side-by-side rows compare
+# Each row writes benchmarks/results/raw/quiet_<row>.json (the benchmark's own JSON, every step of the run)
+# and quiet_<row>.log (its output, the table it prints, the 1-minute load before and after), and
+# quiet_machine.txt records the machine; the record in benchmarks/results/ that docs/benchmarks.md prints
+# (scripts/gen_benchmarks_doc.py) is written from them. Rows run strictly one at a time; the load before each
+# row is in its log: a row that started above load 0.5 was not quiet (rerun it alone). Side-by-side rows compare
 # each trainer's own per-step log (ds_clip `data + step`, open_clip `Batch (t)`), medians of steps 2-8.
 # Run from the repository root with the project's environment (python, deepspeed and torchrun on PATH).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-docs/bench}
+OUT=${OUT:-benchmarks/results/raw}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 

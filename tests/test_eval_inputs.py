@@ -247,7 +247,7 @@ def test_ds_clip_eval_on_a_csv_and_class_folders(tmp_path, capsys):
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_a_default_run_folder_is_what_the_readme_says_and_its_name_is_not_reused(tmp_path):
-    """One process, one step, no --report-to: settings.json, ds_config.json and checkpoints/ only (README.md);
+    """One process, one step, no --report-to: settings.json, ds_config.json and checkpoints/ only (docs/start.md);
     the same --name again without --resume: exit 2, one line, the first run's files untouched."""
     import os
     import subprocess
@@ -261,8 +261,8 @@ def test_a_default_run_folder_is_what_the_readme_says_and_its_name_is_not_reused
     assert first.returncode == 0, first.stderr[-3000:]
     run = tmp_path / "plain"
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "ds_config.json", "settings.json"]
-    readme = (root / "README.md").read_text()
-    assert "`metrics.csv` and `tensorboard/` only with `--report-to csv,tensorboard`" in readme
+    start = (root / "docs" / "start.md").read_text()
+    assert "`metrics.csv` and `tensorboard/` only with `--report-to csv,tensorboard`" in start
     settings = (run / "settings.json").read_text()
     again = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr[-3000:]
