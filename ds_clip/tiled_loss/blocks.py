@@ -3,6 +3,9 @@ floored in-place exp, the compute dtype, the fp32 gradient accumulators and the 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import torch
 
 DEFAULT_TILE_SIZE = 4096
@@ -22,6 +25,62 @@ def exp_(t: torch.Tensor) -> torch.Tensor:
 
 def spans(n: int, tile: int) -> list[tuple[int, int]]:
     return [(start, min(start + tile, n)) for start in range(0, n, tile)]
+
+
+@dataclass
+class Block:
+    """One tile of ``scale * rows @ cols.T (+ bias)``: rows r0:r1 against columns c0:c1."""
+
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    rows: torch.Tensor
+    """rows[r0:r1] in the compute dtype."""
+    cols: torch.Tensor
+    """cols[c0:c1] in the compute dtype."""
+    logits: torch.Tensor
+    """A fresh tensor: the loop that receives it may change it in place."""
+    positives: tuple[int, int, int] | None
+    """Where the positives fall in it (``positive_span``), or None."""
+
+
+def blocks(
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    scale: torch.Tensor,
+    tile: int,
+    dtype: torch.dtype,
+    row_offset: int = 0,
+    bias: torch.Tensor | None = None,
+) -> Iterator[Block]:
+    """The one block loop of every tiled loss (CLIP, SigLIP, distillation; forward and backward): row tiles in
+    order, and within each the column tiles in order, each block computed as ``(rows @ cols.T) * scale (+ bias)``
+    in ``dtype``. Only one block is alive at a time (plus the one being computed)."""
+    for r0, r1 in spans(rows.shape[0], tile):
+        row_block = rows[r0:r1].to(dtype)
+        for c0, c1 in spans(cols.shape[0], tile):
+            col_block = cols[c0:c1].to(dtype)
+            logits = row_block @ col_block.T
+            logits.mul_(scale)
+            if bias is not None:
+                logits.add_(bias)
+            yield Block(
+                r0, r1, c0, c1, row_block, col_block, logits, positive_span(r0, r1, c0, c1, row_offset)
+            )
+
+
+def online_lse_update(
+    run_max: torch.Tensor, run_sum: torch.Tensor, block_max: torch.Tensor, shifted_exp_sum
+) -> torch.Tensor:
+    """One step of the online log-sum-exp over a slice of rows (or columns): rescale the running sum to the new
+    max (exp(-inf) = 0 on the first block), add the block's ``shifted_exp_sum(new_max)``, store the new max in
+    place. Returns the new max."""
+    new_max = torch.maximum(run_max, block_max)
+    run_sum.mul_(torch.exp(run_max - new_max))
+    run_sum.add_(shifted_exp_sum(new_max))
+    run_max.copy_(new_max)
+    return new_max
 
 
 def positive_span(
@@ -76,6 +135,38 @@ def finish(
     if not needed or acc is None:
         return None
     return acc.mul_(scale).to(like.dtype)
+
+
+def two_way_accumulators(
+    dtype: torch.dtype, inputs: tuple[torch.Tensor, ...], need: tuple[bool, ...]
+) -> tuple[torch.Tensor | None, ...]:
+    """The fp32 gradient accumulators of (image_rows, text_rows, image_cols, text_cols) of a loss over both
+    directions; ``need`` is ``ctx.needs_input_grad`` with the scale at index 4. The row accumulators also give
+    d scale, so they are built when the scale needs a gradient."""
+    ir, tr, ic, tc = inputs
+    return (
+        acc_like(dtype, ir, need[0] or need[4]),
+        acc_like(dtype, tr, need[1] or need[4]),
+        acc_like(dtype, ic, need[2]),
+        acc_like(dtype, tc, need[3]),
+    )
+
+
+def two_way_grads(
+    inputs: tuple[torch.Tensor, ...],
+    accs: tuple[torch.Tensor | None, ...],
+    logit_scale: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    need: tuple[bool, ...],
+) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of (image_rows, text_rows, image_cols, text_cols, logit_scale) from the accumulators of
+    ``two_way_accumulators``: d loss / d scale = sum_ij G_ij * raw_ij = <rows, G @ cols> for each direction."""
+    grad_scale = None
+    if need[4]:
+        total = dot(inputs[0], accs[0], dtype) + dot(inputs[1], accs[1], dtype)
+        grad_scale = total.reshape(logit_scale.shape).to(logit_scale.dtype)
+    return (*(finish(a, scale, t, n) for a, t, n in zip(accs, inputs, need[:4])), grad_scale)
 
 
 def _check_features(name: str, t: torch.Tensor) -> None:

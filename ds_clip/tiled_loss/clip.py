@@ -8,17 +8,18 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from ds_clip.tiled_loss.blocks import (
     DEFAULT_TILE_SIZE,
-    acc_like,
+    blocks,
     check_common,
     compute_dtype,
     diagonal,
     dot,
     exp_,
     finish,
+    online_lse_update,
     out_dtype,
-    positive_span,
     scalar,
-    spans,
+    two_way_accumulators,
+    two_way_grads,
 )
 from ds_clip.tiled_loss.softmax import row_grad_accumulate, row_lse
 
@@ -59,11 +60,8 @@ class _ClipTiled(torch.autograd.Function):
         scale = scalar(logit_scale, dtype)
         coef = grad_out.detach().reshape(()).to(dtype) * (0.5 / image_rows.shape[0])
 
-        # The row accumulators also give d scale, so they are built when the scale needs a grad.
-        acc_ir = acc_like(dtype, image_rows, need[0] or need[4])
-        acc_tr = acc_like(dtype, text_rows, need[1] or need[4])
-        acc_ic = acc_like(dtype, image_cols, need[2])
-        acc_tc = acc_like(dtype, text_cols, need[3])
+        inputs = (image_rows, text_rows, image_cols, text_cols)
+        accs = acc_ir, acc_tr, acc_ic, acc_tc = two_way_accumulators(dtype, inputs, need)
         if acc_ir is not None or acc_tc is not None:
             row_grad_accumulate(
                 image_rows, text_cols, max_i, log_sum_i, scale, coef, offset, tile, dtype, acc_ir, acc_tc
@@ -72,21 +70,7 @@ class _ClipTiled(torch.autograd.Function):
             row_grad_accumulate(
                 text_rows, image_cols, max_t, log_sum_t, scale, coef, offset, tile, dtype, acc_tr, acc_ic
             )
-
-        grad_scale = None
-        if need[4]:
-            # d loss / d scale = sum_ij G_ij * raw_ij = <rows, G @ cols> for each direction.
-            total = dot(image_rows, acc_ir, dtype) + dot(text_rows, acc_tr, dtype)
-            grad_scale = total.reshape(logit_scale.shape).to(logit_scale.dtype)
-        return (
-            finish(acc_ir, scale, image_rows, need[0]),
-            finish(acc_tr, scale, text_rows, need[1]),
-            finish(acc_ic, scale, image_cols, need[2]),
-            finish(acc_tc, scale, text_cols, need[3]),
-            grad_scale,
-            None,
-            None,
-        )
+        return (*two_way_grads(inputs, accs, logit_scale, scale, dtype, need), None, None)
 
 
 class _ClipTiledGlobal(torch.autograd.Function):
@@ -101,33 +85,27 @@ class _ClipTiledGlobal(torch.autograd.Function):
         dtype = compute_dtype(image, text, logit_scale)
         scale = scalar(logit_scale, dtype)
         n, device = image.shape[0], image.device
-        max_i = torch.empty(n, dtype=dtype, device=device)
-        log_sum_i = torch.empty(n, dtype=dtype, device=device)
+        max_i = torch.full((n,), float("-inf"), dtype=dtype, device=device)
+        sum_i = torch.zeros(n, dtype=dtype, device=device)
         pos = torch.empty(n, dtype=dtype, device=device)
         col_max = torch.full((n,), float("-inf"), dtype=dtype, device=device)
         col_sum = torch.zeros(n, dtype=dtype, device=device)
-        for r0, r1 in spans(n, tile):
-            image_block = image[r0:r1].to(dtype)
-            row_max = torch.full((r1 - r0,), float("-inf"), dtype=dtype, device=device)
-            row_sum = torch.zeros(r1 - r0, dtype=dtype, device=device)
-            for c0, c1 in spans(n, tile):
-                logits = image_block @ text[c0:c1].to(dtype).T
-                logits.mul_(scale)
-                span = positive_span(r0, r1, c0, c1, 0)
-                if span is not None:
-                    pos[r0 + span[0] : r0 + span[0] + span[2]] = diagonal(logits, span)
-                # text -> image direction: column j of this block is part of row j of logits_per_text.
-                new_col_max = torch.maximum(col_max[c0:c1], logits.amax(dim=0))
-                col_sum[c0:c1].mul_(torch.exp(col_max[c0:c1] - new_col_max))
-                col_sum[c0:c1].add_(exp_(logits - new_col_max).sum(dim=0))
-                col_max[c0:c1] = new_col_max
-                # image -> text direction, in place (the block is not needed afterwards).
-                new_row_max = torch.maximum(row_max, logits.amax(dim=1))
-                row_sum.mul_(torch.exp(row_max - new_row_max))
-                row_sum.add_(exp_(logits.sub_(new_row_max[:, None])).sum(dim=1))
-                row_max = new_row_max
-            max_i[r0:r1] = row_max
-            log_sum_i[r0:r1] = row_sum.log()
+        for b in blocks(image, text, scale, tile, dtype):
+            logits, r0, r1, c0, c1 = b.logits, b.r0, b.r1, b.c0, b.c1
+            if b.positives is not None:
+                r, _, count = b.positives
+                pos[r0 + r : r0 + r + count] = diagonal(logits, b.positives)
+            # text -> image direction: column j of this block is part of row j of logits_per_text.
+            online_lse_update(
+                col_max[c0:c1], col_sum[c0:c1], logits.amax(dim=0),
+                lambda new_max: exp_(logits - new_max).sum(dim=0),  # noqa: B023 (called at once)
+            )  # fmt: skip
+            # image -> text direction, in place (the block is not needed afterwards).
+            online_lse_update(
+                max_i[r0:r1], sum_i[r0:r1], logits.amax(dim=1),
+                lambda new_max: exp_(logits.sub_(new_max[:, None])).sum(dim=1),  # noqa: B023
+            )  # fmt: skip
+        log_sum_i = sum_i.log_()
         log_sum_t = col_sum.log()
         # Max and log-sum kept apart for precision, see row_lse.
         ctx.save_for_backward(image, text, logit_scale, max_i, log_sum_i, col_max, log_sum_t)
@@ -146,24 +124,19 @@ class _ClipTiledGlobal(torch.autograd.Function):
         coef = grad_out.detach().reshape(()).to(dtype) * (0.5 / n)
         acc_i = torch.zeros(image.shape, dtype=dtype, device=image.device) if need[0] or need[2] else None
         acc_t = torch.zeros(text.shape, dtype=dtype, device=text.device) if need[1] else None
-        for r0, r1 in spans(n, tile):
-            image_block = image[r0:r1].to(dtype)
-            for c0, c1 in spans(n, tile):
-                text_block = text[c0:c1].to(dtype)
-                logits = image_block @ text_block.T
-                logits.mul_(scale)
-                # G = coef * (softmax_rows + softmax_cols - 2 * onehot): both directions at once.
-                probs_t = exp_((logits - max_t[None, c0:c1]).sub_(log_sum_t[None, c0:c1]))
-                probs = exp_(logits.sub_(max_i[r0:r1, None]).sub_(log_sum_i[r0:r1, None])).add_(probs_t)
-                del probs_t
-                span = positive_span(r0, r1, c0, c1, 0)
-                if span is not None:
-                    diagonal(probs, span).sub_(2.0)
-                probs.mul_(coef)
-                if acc_i is not None:
-                    acc_i[r0:r1].addmm_(probs, text_block)
-                if acc_t is not None:
-                    acc_t[c0:c1].addmm_(probs.T, image_block)
+        for b in blocks(image, text, scale, tile, dtype):
+            logits, r0, r1, c0, c1 = b.logits, b.r0, b.r1, b.c0, b.c1
+            # G = coef * (softmax_rows + softmax_cols - 2 * onehot): both directions at once.
+            probs_t = exp_((logits - max_t[None, c0:c1]).sub_(log_sum_t[None, c0:c1]))
+            probs = exp_(logits.sub_(max_i[r0:r1, None]).sub_(log_sum_i[r0:r1, None])).add_(probs_t)
+            del probs_t
+            if b.positives is not None:
+                diagonal(probs, b.positives).sub_(2.0)
+            probs.mul_(coef)
+            if acc_i is not None:
+                acc_i[r0:r1].addmm_(probs, b.cols)
+            if acc_t is not None:
+                acc_t[c0:c1].addmm_(probs.T, b.rows)
         grad_scale = None
         if need[2]:
             grad_scale = dot(image, acc_i, dtype).reshape(logit_scale.shape).to(logit_scale.dtype)

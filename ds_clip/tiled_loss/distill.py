@@ -8,14 +8,13 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from ds_clip.tiled_loss.blocks import (
     DEFAULT_TILE_SIZE,
-    acc_like,
+    blocks,
     check_common,
     compute_dtype,
-    dot,
-    finish,
     out_dtype,
     scalar,
-    spans,
+    two_way_accumulators,
+    two_way_grads,
 )
 from ds_clip.tiled_loss.softmax import TeacherRows, row_grad_accumulate, row_lse
 
@@ -34,12 +33,9 @@ def _teacher_weighted_logits(
     Then the row's distillation term -sum_j p_t(ij) log_softmax(s)_ij = log_sum_i - this (sum_j p_t = 1);
     shifting by the row max keeps the summands small, as log_softmax does."""
     out = torch.zeros(rows.shape[0], dtype=dtype, device=rows.device)
-    for r0, r1 in spans(rows.shape[0], tile):
-        row_block = rows[r0:r1].to(dtype)
-        for c0, c1 in spans(cols.shape[0], tile):
-            logits = row_block @ cols[c0:c1].to(dtype).T
-            logits.mul_(scale).sub_(row_max[r0:r1, None])
-            out[r0:r1] += (teacher.probs(r0, r1, c0, c1, dtype).mul_(logits)).sum(dim=1)
+    for b in blocks(rows, cols, scale, tile, dtype):
+        shifted = b.logits.sub_(row_max[b.r0 : b.r1, None])
+        out[b.r0 : b.r1] += (teacher.probs(b.r0, b.r1, b.c0, b.c1, dtype).mul_(shifted)).sum(dim=1)
     return out
 
 
@@ -101,10 +97,8 @@ class _DistillTiled(torch.autograd.Function):
         coef = grad_contrastive.detach().reshape(()).to(dtype) * half_mean
         coef_t = grad_distill.detach().reshape(()).to(dtype) * half_mean
 
-        acc_ir = acc_like(dtype, ir, need[0] or need[4])
-        acc_tr = acc_like(dtype, tr, need[1] or need[4])
-        acc_ic = acc_like(dtype, ic, need[2])
-        acc_tc = acc_like(dtype, tc, need[3])
+        inputs = (ir, tr, ic, tc)
+        accs = acc_ir, acc_tr, acc_ic, acc_tc = two_way_accumulators(dtype, inputs, need)
         for (rows, cols, t_rows, t_cols, acc_rows, acc_cols), (row_max, log_sum, t_max, t_log_sum) in zip(
             ((ir, tc, t_ir, t_tc, acc_ir, acc_tc), (tr, ic, t_tr, t_ic, acc_tr, acc_ic)),
             (saved[:4], saved[4:]),
@@ -115,18 +109,7 @@ class _DistillTiled(torch.autograd.Function):
             row_grad_accumulate(
                 rows, cols, row_max, log_sum, scale, coef, offset, tile, dtype, acc_rows, acc_cols, teacher
             )
-        grad_scale = None
-        if need[4]:
-            total = dot(ir, acc_ir, dtype) + dot(tr, acc_tr, dtype)
-            grad_scale = total.reshape(logit_scale.shape).to(logit_scale.dtype)
-        return (
-            finish(acc_ir, scale, ir, need[0]),
-            finish(acc_tr, scale, tr, need[1]),
-            finish(acc_ic, scale, ic, need[2]),
-            finish(acc_tc, scale, tc, need[3]),
-            grad_scale,
-            *([None] * 7),
-        )
+        return (*two_way_grads(inputs, accs, logit_scale, scale, dtype, need), *([None] * 7))
 
 
 def distill_clip_loss_tiled(

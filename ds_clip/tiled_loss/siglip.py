@@ -9,6 +9,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 from ds_clip.tiled_loss.blocks import (
     DEFAULT_TILE_SIZE,
     EXP_FLOOR_ABS,
+    blocks,
     check_common,
     compute_dtype,
     diagonal,
@@ -16,9 +17,7 @@ from ds_clip.tiled_loss.blocks import (
     exp_,
     finish,
     out_dtype,
-    positive_span,
     scalar,
-    spans,
 )
 
 
@@ -37,19 +36,15 @@ class _SiglipChunked(torch.autograd.Function):
         scale, bias = scalar(logit_scale, dtype), scalar(logit_bias, dtype)
         # The scalar total is accumulated in float64 so that thousands of block sums lose nothing.
         total = torch.zeros((), dtype=torch.float64, device=image_rows.device)
-        for r0, r1 in spans(image_rows.shape[0], tile):
-            row_block = image_rows[r0:r1].to(dtype)
-            for c0, c1 in spans(text_cols.shape[0], tile):
-                logits = row_block @ text_cols[c0:c1].to(dtype).T
-                logits.mul_(scale).add_(bias)
-                # -logsigmoid(-x) = softplus(x) for negatives; a positive adds -logsigmoid(x) =
-                # softplus(x) - x, so: sum softplus over the block, minus the positive logits.
-                span = positive_span(r0, r1, c0, c1, row_offset)
-                if span is not None:
-                    total -= diagonal(logits, span).sum(dtype=torch.float64)
-                # softplus(x) = max(x, 0) + log1p(exp(-|x|)), in place: one block of memory.
-                total += logits.clamp_min(0).sum(dtype=torch.float64)
-                total += exp_(logits.abs_().neg_()).log1p_().sum(dtype=torch.float64)
+        for b in blocks(image_rows, text_cols, scale, tile, dtype, row_offset, bias):
+            logits = b.logits
+            # -logsigmoid(-x) = softplus(x) for negatives; a positive adds -logsigmoid(x) =
+            # softplus(x) - x, so: sum softplus over the block, minus the positive logits.
+            if b.positives is not None:
+                total -= diagonal(logits, b.positives).sum(dtype=torch.float64)
+            # softplus(x) = max(x, 0) + log1p(exp(-|x|)), in place: one block of memory.
+            total += logits.clamp_min(0).sum(dtype=torch.float64)
+            total += exp_(logits.abs_().neg_()).log1p_().sum(dtype=torch.float64)
         ctx.save_for_backward(image_rows, text_cols, logit_scale, logit_bias)
         ctx.row_offset, ctx.tile, ctx.dtype = row_offset, tile, dtype
         return total.to(out_dtype(logit_scale, image_rows))
@@ -69,23 +64,18 @@ class _SiglipChunked(torch.autograd.Function):
         )
         acc_y = torch.zeros(text_cols.shape, dtype=dtype, device=text_cols.device) if need[1] else None
         grad_bias = torch.zeros((), dtype=torch.float64, device=image_rows.device)
-        for r0, r1 in spans(image_rows.shape[0], tile):
-            row_block = image_rows[r0:r1].to(dtype)
-            for c0, c1 in spans(text_cols.shape[0], tile):
-                col_block = text_cols[c0:c1].to(dtype)
-                # d/dx of -logsigmoid(z x) = -z sigmoid(-z x) = sigmoid(x) - [z = +1].
-                grad = row_block @ col_block.T
-                grad.mul_(scale).add_(bias).clamp_(-EXP_FLOOR_ABS, EXP_FLOOR_ABS).sigmoid_()
-                span = positive_span(r0, r1, c0, c1, offset)
-                if span is not None:
-                    diagonal(grad, span).sub_(1.0)
-                grad.mul_(coef)
-                if need[3]:
-                    grad_bias += grad.sum(dtype=torch.float64)
-                if acc_x is not None:
-                    acc_x[r0:r1].addmm_(grad, col_block)
-                if acc_y is not None:
-                    acc_y[c0:c1].addmm_(grad.T, row_block)
+        for b in blocks(image_rows, text_cols, scale, tile, dtype, offset, bias):
+            # d/dx of -logsigmoid(z x) = -z sigmoid(-z x) = sigmoid(x) - [z = +1].
+            grad = b.logits.clamp_(-EXP_FLOOR_ABS, EXP_FLOOR_ABS).sigmoid_()
+            if b.positives is not None:
+                diagonal(grad, b.positives).sub_(1.0)
+            grad.mul_(coef)
+            if need[3]:
+                grad_bias += grad.sum(dtype=torch.float64)
+            if acc_x is not None:
+                acc_x[b.r0 : b.r1].addmm_(grad, b.cols)
+            if acc_y is not None:
+                acc_y[b.c0 : b.c1].addmm_(grad.T, b.rows)
         grad_scale = None
         if need[2]:
             grad_scale = dot(image_rows, acc_x, dtype).reshape(logit_scale.shape).to(logit_scale.dtype)

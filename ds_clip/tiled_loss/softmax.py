@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_clip.tiled_loss.blocks import diagonal, exp_, positive_span, spans
+from ds_clip.tiled_loss.blocks import blocks, diagonal, exp_, online_lse_update
 
 
 def row_lse(
@@ -25,29 +25,21 @@ def row_lse(
     of every softmax entry and is amplified where softmax - onehot cancels. (logits - max) - log-sum,
     the order log_softmax uses, keeps the error at open_clip's level.
     """
-    n_rows = rows.shape[0]
-    row_max = torch.empty(n_rows, dtype=dtype, device=rows.device)
-    log_sum = torch.empty(n_rows, dtype=dtype, device=rows.device)
-    pos = torch.empty(n_rows, dtype=dtype, device=rows.device)
-    for r0, r1 in spans(n_rows, tile):
-        row_block = rows[r0:r1].to(dtype)
-        run_max = torch.full((r1 - r0,), float("-inf"), dtype=dtype, device=rows.device)
-        run_sum = torch.zeros(r1 - r0, dtype=dtype, device=rows.device)
-        for c0, c1 in spans(cols.shape[0], tile):
-            logits = row_block @ cols[c0:c1].to(dtype).T
-            logits.mul_(scale)
-            span = positive_span(r0, r1, c0, c1, row_offset)
-            if span is not None:
-                # Taken from the very block the LSE sees, so loss = lse - pos is consistent.
-                pos[r0 + span[0] : r0 + span[0] + span[2]] = diagonal(logits, span)
-            new_max = torch.maximum(run_max, logits.amax(dim=1))
-            # Online LSE: rescale the old sum to the new max; exp(-inf) = 0 on the first block.
-            run_sum.mul_(torch.exp(run_max - new_max))
-            run_sum.add_(exp_(logits.sub_(new_max[:, None])).sum(dim=1))
-            run_max = new_max
-        row_max[r0:r1] = run_max
-        log_sum[r0:r1] = run_sum.log()
-    return row_max, log_sum, pos
+    n_rows, device = rows.shape[0], rows.device
+    row_max = torch.full((n_rows,), float("-inf"), dtype=dtype, device=device)
+    run_sum = torch.zeros(n_rows, dtype=dtype, device=device)
+    pos = torch.empty(n_rows, dtype=dtype, device=device)
+    for b in blocks(rows, cols, scale, tile, dtype, row_offset):
+        logits, r0, r1 = b.logits, b.r0, b.r1
+        if b.positives is not None:
+            # Taken from the very block the LSE sees, so loss = lse - pos is consistent.
+            r, _, count = b.positives
+            pos[r0 + r : r0 + r + count] = diagonal(logits, b.positives)
+        online_lse_update(
+            row_max[r0:r1], run_sum[r0:r1], logits.amax(dim=1),
+            lambda new_max: exp_(logits.sub_(new_max[:, None])).sum(dim=1),  # noqa: B023 (called at once)
+        )  # fmt: skip
+    return row_max, run_sum.log_(), pos
 
 
 def row_grad_accumulate(
@@ -72,28 +64,23 @@ def row_grad_accumulate(
     The accumulators hold gradients without the factor ``scale`` (d logits / d rows = scale * cols);
     the caller multiplies once at the end and gets d scale = <rows, acc_rows> for free.
     """
-    for r0, r1 in spans(rows.shape[0], tile):
-        row_block = rows[r0:r1].to(dtype)
-        max_block, log_sum_block = row_max[r0:r1, None], log_sum[r0:r1, None]
-        for c0, c1 in spans(cols.shape[0], tile):
-            col_block = cols[c0:c1].to(dtype)
-            probs = row_block @ col_block.T
-            exp_(probs.mul_(scale).sub_(max_block).sub_(log_sum_block))
-            span = positive_span(r0, r1, c0, c1, row_offset)
-            if teacher is not None:
-                teacher_probs = teacher.probs(r0, r1, c0, c1, dtype)
-                probs.mul_(coef + teacher.coef).sub_(teacher_probs.mul_(teacher.coef))
-                del teacher_probs
-                if span is not None:
-                    diagonal(probs, span).sub_(coef)
-            else:
-                if span is not None:
-                    diagonal(probs, span).sub_(1.0)
-                probs.mul_(coef)
-            if acc_rows is not None:
-                acc_rows[r0:r1].addmm_(probs, col_block)
-            if acc_cols is not None:
-                acc_cols[c0:c1].addmm_(probs.T, row_block)
+    for b in blocks(rows, cols, scale, tile, dtype, row_offset):
+        r0, r1, c0, c1, probs = b.r0, b.r1, b.c0, b.c1, b.logits
+        exp_(probs.sub_(row_max[r0:r1, None]).sub_(log_sum[r0:r1, None]))
+        if teacher is not None:
+            teacher_probs = teacher.probs(r0, r1, c0, c1, dtype)
+            probs.mul_(coef + teacher.coef).sub_(teacher_probs.mul_(teacher.coef))
+            del teacher_probs
+            if b.positives is not None:
+                diagonal(probs, b.positives).sub_(coef)
+        else:
+            if b.positives is not None:
+                diagonal(probs, b.positives).sub_(1.0)
+            probs.mul_(coef)
+        if acc_rows is not None:
+            acc_rows[r0:r1].addmm_(probs, b.cols)
+        if acc_cols is not None:
+            acc_cols[c0:c1].addmm_(probs.T, b.rows)
 
 
 class TeacherRows:
