@@ -71,7 +71,9 @@ def _vision_problem(v: dict) -> str | None:
     if v.get("attentional_pool"):
         return "the image tower's attentional pooler (vision_cfg.attentional_pool)"
     if v.get("pool_type", "tok") != "tok":
-        return f"the image tower's pooling vision_cfg.pool_type={v['pool_type']!r} (CLIP pools the class token)"
+        return (
+            f"the image tower's pooling vision_cfg.pool_type={v['pool_type']!r} (CLIP pools the class token)"
+        )
     if v.get("no_ln_pre"):
         return "an image tower without its pre-transformer LayerNorm (vision_cfg.no_ln_pre)"
     if v.get("pos_embed_type", "learnable") != "learnable":
@@ -120,7 +122,9 @@ def unmappable(model_cfg: dict, preprocess_cfg: dict | None = None) -> str | Non
     """What of this open_clip model (or its preprocessing) transformers' CLIP classes cannot represent, or None."""
     if model_cfg.get("multimodal_cfg"):
         return "CoCa's text decoder (multimodal_cfg)"
-    problem = _vision_problem(model_cfg.get("vision_cfg") or {}) or _text_problem(model_cfg.get("text_cfg") or {})
+    problem = _vision_problem(model_cfg.get("vision_cfg") or {}) or _text_problem(
+        model_cfg.get("text_cfg") or {}
+    )
     if problem:
         return problem
     p = preprocess_cfg or {}
@@ -190,7 +194,9 @@ def clip_config_kwargs(model_cfg: dict, logit_scale: float, logit_bias: float | 
         "logit_scale_init_value": float(logit_scale),
     }
     if logit_bias is not None:
-        kwargs["logit_bias"] = float(logit_bias)  # kept as a config attribute: CLIPModel has no bias parameter
+        kwargs["logit_bias"] = float(
+            logit_bias
+        )  # kept as a config attribute: CLIPModel has no bias parameter
     return kwargs
 
 
@@ -217,7 +223,9 @@ def _layer_keys(src: str, dst: str, state: dict[str, torch.Tensor], out: dict[st
         else:
             module, kind = rest.rsplit(".", 1)
             if module not in names:
-                raise UnmappableError(f"--format transformers: {key} cannot be mapped to transformers' CLIPModel")
+                raise UnmappableError(
+                    f"--format transformers: {key} cannot be mapped to transformers' CLIPModel"
+                )
             out[f"{layer}.{names[module]}.{kind}"] = value
         used.add(key)
     return used
@@ -228,7 +236,9 @@ def clip_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
     Every open_clip tensor is used exactly once (an unknown one is refused, never dropped); ``logit_bias`` is left
     out (the config carries it)."""
-    text = "text." if any(k.startswith("text.") for k in state) else ""  # CustomTextCLIP keeps the tower in .text
+    text = (
+        "text." if any(k.startswith("text.") for k in state) else ""
+    )  # CustomTextCLIP keeps the tower in .text
     out: dict[str, torch.Tensor] = {}
     direct = {
         "visual.class_embedding": "vision_model.embeddings.class_embedding",
@@ -244,7 +254,10 @@ def clip_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         f"{text}ln_final.bias": "text_model.final_layer_norm.bias",
         "logit_scale": "logit_scale",
     }
-    transposed = {"visual.proj": "visual_projection.weight", f"{text}text_projection": "text_projection.weight"}
+    transposed = {
+        "visual.proj": "visual_projection.weight",
+        f"{text}text_projection": "text_projection.weight",
+    }
     used = {"logit_bias"}
     for src, dst in direct.items():
         if src in state:
@@ -296,7 +309,9 @@ def _clip_tokenizer_files(folder: Path) -> tuple[Path, Path]:
     vocab["<|startoftext|>"] = vocab.pop("<start_of_text>")
     vocab["<|endoftext|>"] = vocab.pop("<end_of_text>")
     if (vocab["<|startoftext|>"], vocab["<|endoftext|>"], len(vocab)) != (SOT_ID, EOT_ID, CLIP_VOCAB):
-        raise UnmappableError("--format transformers: this open_clip's tokenizer is not the 49408-id CLIP tokenizer")
+        raise UnmappableError(
+            "--format transformers: this open_clip's tokenizer is not the 49408-id CLIP tokenizer"
+        )
     merges = sorted(simple.bpe_ranks, key=simple.bpe_ranks.get)
     vocab_file, merges_file = folder / "vocab.json", folder / "merges.txt"
     vocab_file.write_text(json.dumps(vocab, ensure_ascii=False))

@@ -75,7 +75,13 @@ def _data_line(s: dict) -> str:
 
 
 def card_text(
-    *, meta: dict, checkpoint: Path, fmt: str, weights: str, command: str, logit_scale: float | None = None,
+    *,
+    meta: dict,
+    checkpoint: Path,
+    fmt: str,
+    weights: str,
+    command: str,
+    logit_scale: float | None = None,
     logit_bias: float | None = None,
 ) -> str:
     """The README.md of an export of ``checkpoint`` in format ``fmt`` ("open_clip" | "transformers")."""
@@ -136,7 +142,13 @@ def card_text(
     lines += ["", "## Command line", ""]
     launches = _launches(run)
     if launches:
-        lines += ["```bash", *launches, "```", "", f"(on {w} ranks; a later line is a resume of the same run)"]
+        lines += [
+            "```bash",
+            *launches,
+            "```",
+            "",
+            f"(on {w} ranks; a later line is a resume of the same run)",
+        ]
     else:
         lines.append("(not recorded: the run folder has no command.txt)")
     lines += ["", "Exported with:", "", "```bash", command, "```"]
@@ -152,7 +164,9 @@ def card_text(
         "## open_clip config",
         "",
         "```json",
-        json.dumps({"model_cfg": meta["model_cfg"], "preprocess_cfg": meta.get("preprocess_cfg") or {}}, indent=1),
+        json.dumps(
+            {"model_cfg": meta["model_cfg"], "preprocess_cfg": meta.get("preprocess_cfg") or {}}, indent=1
+        ),
         "```",
         "",
     ]
@@ -211,4 +225,12 @@ def write_card(out: Path, **kwargs: Any) -> Path:
     return path
 
 
-__all__ = ["COMMAND_FILE", "LICENSE_TODO", "card_text", "hub_upload_command", "launch_command", "run_folder", "write_card"]
+__all__ = [
+    "COMMAND_FILE",
+    "LICENSE_TODO",
+    "card_text",
+    "hub_upload_command",
+    "launch_command",
+    "run_folder",
+    "write_card",
+]

@@ -38,8 +38,8 @@ from ds_clip.engine import build_engine, build_model_bundle, resolve_run
 from ds_clip.errors import RunError
 from ds_clip.evaluate import Evaluator
 from ds_clip.metrics import MetricsWriter, StepMeter
-from ds_clip.model_card import COMMAND_FILE, launch_command
 from ds_clip.model import ModelBundle, check_tokenizer_fits
+from ds_clip.model_card import COMMAND_FILE, launch_command
 from ds_clip.preemption import StopRequest
 from ds_clip.presets import precision_mapping_text
 from ds_clip.step import StepResult, cached_step, micro_batch_seed

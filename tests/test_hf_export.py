@@ -6,8 +6,6 @@ loaded by open_clip and by transformers (offline), and compared: features, token
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,12 +16,11 @@ import torch
 from ds_clip.distributed import _free_port
 from ds_clip.export import main as export_main
 from ds_clip.hf_export import unmappable
-from ds_clip_harness.models import CONFIGS, COCA_E2E_MODEL, E2E_MODEL
+from ds_clip_harness.models import COCA_E2E_MODEL, CONFIGS, E2E_MODEL
+from tests.test_e2e import _run
 
 transformers = pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
 # Captions of several lengths: short, with punctuation ("!" is also the pad token's text), mixed case and
 # spacing, and one longer than the context length (truncated, end-of-text kept last).
 CAPTIONS = [
@@ -35,18 +32,8 @@ CAPTIONS = [
 TRAIN = ["--batch-size", "4", "--max-steps", "2", "--workers", "1", "--report-to", "csv", "--warmup", "1"]
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = str(ROOT)
-    env["PYTHONUNBUFFERED"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
-    env["HF_HUB_OFFLINE"] = "1"
-    return env
-
-
 def _train(cmd: list[str]) -> None:
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    proc = _run(cmd)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
 
 
@@ -59,7 +46,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     classes.write_text(json.dumps({"classnames": ["circle", "square", "triangle", "diamond"]}))
     coca = root / "coca_model"
     coca.mkdir()
-    (coca / "open_clip_config.json").write_text(json.dumps({"model_cfg": COCA_E2E_MODEL, "preprocess_cfg": {}}))
+    (coca / "open_clip_config.json").write_text(
+        json.dumps({"model_cfg": COCA_E2E_MODEL, "preprocess_cfg": {}})
+    )
     logs = ["--logs", str(root / "logs")]
     _train([
         "deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "ds_clip.train",
@@ -138,7 +127,7 @@ def test_transformers_export_equals_open_clip(runs, tmp_path, capsys, name):
     # Token ids: open_clip's tokenizer (padded with 0 to the context length, truncated with end-of-text last).
     ids = tokenizer(CAPTIONS)
     hf_ids = hf_tok(CAPTIONS, padding="max_length", truncation=True, return_tensors="pt")["input_ids"]
-    assert torch.equal(hf_ids, ids), (hf_ids, ids)
+    assert hf_ids.shape[1] == context and torch.equal(hf_ids, ids), (hf_ids, ids)
     assert ids[-1, -1].item() == 49407 and (ids[:, -1] == 49407).sum() == 1  # the long caption was truncated
 
     # Preprocessing: the processor's settings are the model's preprocess config, and its pixels open_clip's.
@@ -200,7 +189,9 @@ def test_transformers_export_equals_open_clip(runs, tmp_path, capsys, name):
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_unmappable_model_and_missing_transformers_are_refused_before_writing(runs, tmp_path, capsys, monkeypatch):
+def test_unmappable_model_and_missing_transformers_are_refused_before_writing(
+    runs, tmp_path, capsys, monkeypatch
+):
     """A CoCa run exported with --format transformers is refused in one line naming CoCa's text decoder, exit 2,
     nothing written (its open_clip export still works, with a model card); without transformers installed the
     transformers format is refused in one line naming `pip install 'ds_clip[hf]'`, exit 2, nothing written."""
@@ -212,7 +203,9 @@ def test_unmappable_model_and_missing_transformers_are_refused_before_writing(ru
     rc, _, err = _export(capsys, runs["coca"], tmp_path / "coca_oc")
     assert rc == 0 and (tmp_path / "coca_oc" / "README.md").is_file(), err
 
-    monkeypatch.setitem(sys.modules, "transformers", None)  # what `import transformers` meets when not installed
+    monkeypatch.setitem(
+        sys.modules, "transformers", None
+    )  # what `import transformers` meets when not installed
     out = tmp_path / "no_transformers"
     rc, _, err = _export(capsys, runs["clip"], out, "--format", "transformers")
     assert rc == 2 and err.strip().count("\n") == 0 and "pip install 'ds_clip[hf]'" in err, err
@@ -225,13 +218,25 @@ def test_unmappable_model_and_missing_transformers_are_refused_before_writing(ru
         (CONFIGS["coca"], {}, "CoCa's text decoder"),
         (CONFIGS["timm_dropout"], {}, "the timm image tower 'test_vit'"),
         (CONFIGS["resnet_bn"], {}, "the ResNet image tower"),
-        ({**E2E_MODEL, "text_cfg": {"hf_model_name": "roberta-base"}}, {}, "the Hugging Face text tower 'roberta-base'"),
-        ({**E2E_MODEL, "vision_cfg": {**E2E_MODEL["vision_cfg"], "attentional_pool": True}}, {}, "attentional pooler"),
+        (
+            {**E2E_MODEL, "text_cfg": {"hf_model_name": "roberta-base"}},
+            {},
+            "the Hugging Face text tower 'roberta-base'",
+        ),
+        (
+            {**E2E_MODEL, "vision_cfg": {**E2E_MODEL["vision_cfg"], "attentional_pool": True}},
+            {},
+            "attentional pooler",
+        ),
         ({**E2E_MODEL, "vision_cfg": {**E2E_MODEL["vision_cfg"], "pool_type": "avg"}}, {}, "pool_type='avg'"),
         ({**E2E_MODEL, "vision_cfg": {**E2E_MODEL["vision_cfg"], "ls_init_value": 0.1}}, {}, "layer scale"),
         ({**E2E_MODEL, "text_cfg": {**E2E_MODEL["text_cfg"], "pool_type": "last"}}, {}, "pool_type='last'"),
         ({**E2E_MODEL, "text_cfg": {**E2E_MODEL["text_cfg"], "no_causal_mask": True}}, {}, "causal mask"),
-        ({**E2E_MODEL, "text_cfg": {**E2E_MODEL["text_cfg"], "hf_tokenizer_name": "t5-base"}}, {}, "'t5-base'"),
+        (
+            {**E2E_MODEL, "text_cfg": {**E2E_MODEL["text_cfg"], "hf_tokenizer_name": "t5-base"}},
+            {},
+            "'t5-base'",
+        ),
         (E2E_MODEL, {"resize_mode": "longest"}, "resize_mode 'longest'"),
         (CONFIGS["vit"], {}, "text_cfg.vocab_size 64"),
         (E2E_MODEL, {"resize_mode": "squash"}, None),
