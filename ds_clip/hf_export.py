@@ -324,16 +324,17 @@ def build_tokenizer(context_length: int):
     """transformers' CLIP tokenizer with open_clip's vocabulary, padding and truncation."""
     import tempfile
 
-    try:  # transformers 4.x: the tokenizers-backed class is CLIPTokenizerFast
+    try:  # transformers 4.x: the tokenizers-backed class is CLIPTokenizerFast (5.x keeps the name as an alias)
         from transformers import CLIPTokenizerFast as Tokenizer
-    except ImportError:  # transformers 5.x: CLIPTokenizer is the one (tokenizers-backed) class
+    except ImportError:  # a release without the alias: CLIPTokenizer is the one (tokenizers-backed) class
         from transformers import CLIPTokenizer as Tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
-        vocab_file, merges_file = _clip_tokenizer_files(Path(tmp))
-        return Tokenizer(
-            vocab_file=str(vocab_file),
-            merges_file=str(merges_file),
+        _clip_tokenizer_files(Path(tmp))
+        # from_pretrained of a folder holding vocab.json and merges.txt: the constructor's own arguments differ
+        # (4.x vocab_file/merges_file, 5.x vocab/merges), the folder loads the same in both.
+        return Tokenizer.from_pretrained(
+            tmp,
             pad_token="!",  # id 0, open_clip's padding
             model_max_length=context_length,  # truncation=True cuts at the context length, as open_clip does
             # A "!" in a caption stays an ordinary "!</w>" (id 256) instead of matching the pad token.

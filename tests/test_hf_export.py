@@ -78,6 +78,12 @@ def _images() -> list:
     ]
 
 
+def _features(out) -> torch.Tensor:
+    """get_image_features / get_text_features: a tensor in transformers 4.x, an output whose pooler_output holds
+    the projected features in 5.x."""
+    return out if isinstance(out, torch.Tensor) else out.pooler_output
+
+
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-4) -> None:
     assert a.shape == b.shape, (a.shape, b.shape)
     assert (a - b).abs().max().item() <= tol, (a - b).abs().max().item()
@@ -91,7 +97,8 @@ def test_transformers_export_equals_open_clip(runs, tmp_path, capsys, name):
     CLIPVisionModel(WithProjection), CLIPTextModel(WithProjection), AutoTokenizer and AutoProcessor, and equals the
     open_clip export of the same checkpoint loaded by open_clip: image and text features (<= 1e-4, fp32; random
     pixels and processed images; captions of four lengths, one truncated), logits, token ids position by position
-    (padding included), and the processor's resize, crop and normalisation (its settings and its pixels). A
+    (padding included), and the processor's resize, crop and normalisation (its settings, and its pixels: equal
+    with the PIL image processor, within one 8-bit level with the torch one). A
     SigLIP-trained CLIP keeps its logit_bias in the config. Both folders carry a model card, and the export prints
     the hub's upload command."""
     import open_clip
@@ -138,15 +145,23 @@ def test_transformers_export_equals_open_clip(runs, tmp_path, capsys, name):
     assert ip.do_center_crop and ip.resample == 3 and cfg["interpolation"] == "bicubic"
     assert np.allclose(ip.image_mean, cfg["mean"]) and np.allclose(ip.image_std, cfg["std"])
     images = _images()
-    pixels = processor(images=images, return_tensors="pt")["pixel_values"]
-    _close(pixels, torch.stack([preprocess(im) for im in images]), 1e-5)
+    expected = torch.stack([preprocess(im) for im in images])
+    # The PIL image processor (transformers 4.x's default) resizes as torchvision does on PIL images: the same
+    # pixels. The torch one (5.x's default, use_fast=True) rounds a few pixels to the next 8-bit level.
+    pil = AutoProcessor.from_pretrained(hf_dir, use_fast=False, **load).image_processor
+    pixels = pil(images=images, return_tensors="pt")["pixel_values"]
+    _close(pixels, expected, 1e-5)
+    fast = AutoProcessor.from_pretrained(hf_dir, use_fast=True, **load).image_processor
+    _close(fast(images=images, return_tensors="pt")["pixel_values"], expected, 1.01 / 255 / min(cfg["std"]))
 
     pixels = torch.cat([pixels, torch.randn(2, 3, side, side)])
     inputs = processor(text=CAPTIONS, padding=True, truncation=True, return_tensors="pt")
     with torch.no_grad():
         img, txt = oc_model.encode_image(pixels), oc_model.encode_text(ids)
-        _close(model.get_image_features(pixel_values=pixels), img)
-        _close(model.get_text_features(**inputs), txt)  # padded to the longest caption only: same features
+        _close(_features(model.get_image_features(pixel_values=pixels)), img)
+        _close(
+            _features(model.get_text_features(**inputs)), txt
+        )  # padded to the longest caption only: same features
         got = model(pixel_values=pixels, **inputs)
         scale = oc_model.logit_scale.exp()
         _close(got.logits_per_image, scale * (img / img.norm(dim=-1, keepdim=True)) @ (txt / txt.norm(dim=-1, keepdim=True)).T)  # fmt: skip
