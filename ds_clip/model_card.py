@@ -88,7 +88,7 @@ def card_text(
     s = meta.get("settings") or {}
     run = run_folder(checkpoint)
     step = int(meta["step"])
-    siglip = bool(s.get("siglip")) or logit_bias is not None
+    siglip = bool(s["siglip"]) if "siglip" in s else logit_bias is not None  # the loss trained, not the model
     name = s.get("name") or (run.name if run else checkpoint.name)
     vis, txt = meta["model_cfg"].get("vision_cfg", {}), meta["model_cfg"].get("text_cfg", {})
     library = "transformers" if fmt == "transformers" else "open_clip"
@@ -109,7 +109,7 @@ def card_text(
         "",
         "| | |",
         "|---|---|",
-        f"| model | `{meta.get('model', '?')}` (open_clip config in the table below) |",
+        f"| model | `{meta.get('model', '?')}` (its open_clip config at the end of this card) |",
         f"| image size | {_fmt(vis.get('image_size', '?'))} |",
         f"| context length | {_fmt(txt.get('context_length', 77))} |",
         f"| embedding size | {_fmt(meta['model_cfg'].get('embed_dim', '?'))} |",

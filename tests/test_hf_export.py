@@ -263,3 +263,47 @@ def test_what_transformers_cannot_represent_is_named(model_cfg, preprocess_cfg, 
     variants (QuickGELU, a CustomTextCLIP text tower, squash resizing) map."""
     problem = unmappable(model_cfg, preprocess_cfg)
     assert (problem is None) if needle is None else (needle in (problem or "")), problem
+
+
+def test_model_card_reads_what_the_run_recorded(tmp_path):
+    """The card quotes every launch of the run (the launcher's --local_rank dropped), the evaluation of the
+    exported step or the last one before it, and says what the run did not record instead of guessing."""
+    from ds_clip.model_card import card_text, launch_command
+
+    run = tmp_path / "run1"
+    ckpt = run / "checkpoints" / "step_00000006"
+    ckpt.mkdir(parents=True)
+    (run / "command.txt").write_text(
+        launch_command(["--local_rank=1", "--name", "run1", "--lr", "1e-3"]) + "\n"
+        + launch_command(["--name", "run1", "--resume", "latest"]) + "\n"
+    )  # fmt: skip
+    (run / "eval_results.json").write_text(
+        json.dumps([{"step": 4, "zeroshot_top1": 0.5}, {"step": 8, "zeroshot_top1": 0.9}])
+    )
+    meta = {
+        "step": 6, "model": "ds-clip-tiny", "model_cfg": E2E_MODEL, "world_size": 4, "accum_freq": 2,
+        "micro_batch_size": 8, "global_batch_size": 64, "precision": "bf16", "zero_stage": 2,
+        "settings": {"siglip": False, "name": "run1", "train_data": "/data/{00000..00099}.tar", "dataset_type": "webdataset"},
+    }  # fmt: skip
+    card = card_text(
+        meta=meta, checkpoint=ckpt, fmt="open_clip", weights="trained weights", command="ds-clip-export x y"
+    )
+    assert "ds-clip-train --name run1 --lr 1e-3\nds-clip-train --name run1 --resume latest\n" in card
+    assert "Validation at step 4" in card and "| zeroshot_top1 | 0.5 |" in card and "0.9" not in card
+    assert (
+        "| global batch | 64 pairs per optimizer step (W = 4 ranks x k = 2 micro-batches x m = 8 pairs) |"
+        in card
+    )
+    assert (
+        "| precision | bf16, DeepSpeed ZeRO stage 2 |" in card
+        and "`/data/{00000..00099}.tar` (webdataset)" in card
+    )
+    elsewhere = tmp_path / "step_00000006"  # a checkpoint copied out of its run folder
+    elsewhere.mkdir()
+    card = card_text(
+        meta=meta, checkpoint=elsewhere, fmt="transformers", weights="trained weights", command="x"
+    )
+    assert (
+        "(not recorded: the run folder has no command.txt)" in card
+        and "No validation or zero-shot results" in card
+    )
