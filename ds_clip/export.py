@@ -1,6 +1,9 @@
-"""Export a ds_clip checkpoint as an open_clip model: consolidated fp32 weights in open_clip's names and shapes.
+"""Export a ds_clip checkpoint as an open_clip model (consolidated fp32 weights in open_clip's names and shapes) or
+as a transformers CLIPModel folder, each with a model card (README.md) ready for the hub.
 
     ds-clip-export logs/RUN/checkpoints/step_00001000 OUT     # or logs/RUN (its latest complete checkpoint)
+    ds-clip-export logs/RUN OUT --format transformers         # CLIPModel, tokenizer, processor (ds_clip.hf_export)
+    hf upload YOUR_ORG/YOUR_MODEL OUT . --repo-type model     # the hub's own upload, printed by the export
 
 OUT gets ``open_clip_config.json`` ({"model_cfg", "preprocess_cfg"}) and ``open_clip_model.safetensors``:
 
@@ -21,18 +24,22 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 from pathlib import Path
 
 import torch
 
+from ds_clip import hf_export
 from ds_clip.checkpoint import CheckpointError, read_meta, resolve, safe_load
 from ds_clip.config import add_flags
 from ds_clip.ema import full_state_from_files
 from ds_clip.errors import UserError
+from ds_clip.model_card import hub_upload_command, write_card
 
 WEIGHTS_FILE = "open_clip_model.safetensors"
 CONFIG_FILE = "open_clip_config.json"
+FORMATS = ("open_clip", "transformers")
 
 
 class ExportError(UserError):
@@ -110,13 +117,27 @@ def to_open_clip(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tenso
     return out
 
 
-def export(checkpoint: str, out: str | Path, *, ema: bool = False, cache_dir: str | None = None) -> Path:
-    """Write OUT/open_clip_config.json and OUT/open_clip_model.safetensors (and, for a model whose tokenizer
-    lives on the hub, that tokenizer's files: open_clip reads a local-dir: model's tokenizer from its folder);
-    return OUT. ``ema``: the weight EMA of the trained parameters (--ema-decay) in place of their live values;
-    buffers and frozen parameters, which no optimizer moves, are the live ones."""
+def export(
+    checkpoint: str,
+    out: str | Path,
+    *,
+    ema: bool = False,
+    cache_dir: str | None = None,
+    fmt: str = "open_clip",
+) -> Path:
+    """Write the export of ``checkpoint`` into OUT and return OUT: with ``fmt`` "open_clip", open_clip_config.json and
+    open_clip_model.safetensors (and, for a model whose tokenizer lives on the hub, that tokenizer's files: open_clip
+    reads a local-dir: model's tokenizer from its folder); with "transformers", transformers' CLIPModel folder
+    (ds_clip.hf_export). Both get a model card, README.md (ds_clip.model_card). ``ema``: the weight EMA of the
+    trained parameters (--ema-decay) in place of their live values; buffers and frozen parameters, which no optimizer
+    moves, are the live ones. A model transformers cannot represent, or a missing transformers, is refused before
+    anything is written."""
     from safetensors.torch import save_file
 
+    if fmt not in FORMATS:
+        raise ExportError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
+    if fmt == "transformers":
+        hf_export.require_transformers()
     path = resolve(None, checkpoint)
     meta = read_meta(path)
     model_cfg = meta.get("model_cfg")
@@ -124,26 +145,40 @@ def export(checkpoint: str, out: str | Path, *, ema: bool = False, cache_dir: st
         raise CheckpointError(
             f"{path}: the checkpoint records no model_cfg; cannot build the open_clip model"
         )
+    preprocess_cfg = meta.get("preprocess_cfg") or {}
+    if fmt == "transformers":
+        hf_export.check_mappable(model_cfg, preprocess_cfg)
     model = build_open_clip_model(model_cfg, meta.get("preprocess_cfg"))
     averaged = full_state_from_files(path) if ema else {}  # first: a checkpoint without one fails at once
     state = consolidated_state_dict(path)
     state.update(averaged)
     state = to_open_clip(state, model)
+    built = hf_export.build_transformers(state, model_cfg, preprocess_cfg) if fmt == "transformers" else None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    preprocess_cfg = meta.get("preprocess_cfg") or {}
-    (out / CONFIG_FILE).write_text(
-        json.dumps({"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg}, indent=1)
-    )
-    metadata = {
-        "format": "pt",
-        "ds_clip_step": str(meta["step"]),
-        "ds_clip_weights": "ema" if ema else "live",
-    }
-    save_file(state, str(out / WEIGHTS_FILE), metadata=metadata)
-    tokenizer = model_cfg.get("text_cfg", {}).get("hf_tokenizer_name")
-    if tokenizer:
-        _save_hub_tokenizer(tokenizer, out, cache_dir)
+    if built is not None:
+        hf_export.save_transformers(out, built)
+    else:
+        (out / CONFIG_FILE).write_text(
+            json.dumps({"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg}, indent=1)
+        )
+        metadata = {
+            "format": "pt",
+            "ds_clip_step": str(meta["step"]),
+            "ds_clip_weights": "ema" if ema else "live",
+        }
+        save_file(state, str(out / WEIGHTS_FILE), metadata=metadata)
+        tokenizer = model_cfg.get("text_cfg", {}).get("hf_tokenizer_name")
+        if tokenizer:
+            _save_hub_tokenizer(tokenizer, out, cache_dir)
+    command = ["ds-clip-export", checkpoint, str(out), *(["--ema"] if ema else [])]
+    bias = state.get("logit_bias")
+    write_card(
+        out, meta=meta, checkpoint=path, fmt=fmt, command=shlex.join([*command, "--format", fmt]),
+        weights=f"weight EMA (--ema-decay {meta.get('settings', {}).get('ema_decay')})" if ema else "trained weights",
+        logit_scale=float(state["logit_scale"]) if "logit_scale" in state else None,
+        logit_bias=float(bias) if bias is not None else None,
+    )  # fmt: skip
     return out
 
 
@@ -186,7 +221,8 @@ def resolve_pretrained(pretrained: str | None) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="ds-clip-export",
-        description="Write a ds_clip checkpoint as an open_clip model folder (open_clip_config.json + safetensors).",
+        description="Write a ds_clip checkpoint as an open_clip model folder (open_clip_config.json + safetensors) "
+        "or a transformers CLIPModel folder, with a model card (README.md).",
     )
     p.add_argument(
         "checkpoint", help="checkpoint folder (checkpoints/step_N), checkpoints folder, or run folder"
@@ -197,15 +233,27 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="export the weight EMA the run kept (--ema-decay) instead of the weights",
     )
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="open_clip",
+        help="open_clip (open_clip_config.json + open_clip_model.safetensors) or transformers (CLIPModel, "
+        "tokenizer and processor; needs pip install 'ds_clip[hf]')",
+    )
     add_flags(p, ["cache_dir"])
     args = p.parse_args(argv)
     try:
-        out = export(args.checkpoint, args.out, ema=args.ema, cache_dir=args.cache_dir)
+        out = export(args.checkpoint, args.out, ema=args.ema, cache_dir=args.cache_dir, fmt=args.format)
     except (CheckpointError, UserError) as exc:
         print(f"ds-clip-export: error: {str(exc).replace('--resume ', '')}", file=sys.stderr)
         return 2
-    print(f"wrote {out / CONFIG_FILE} and {out / WEIGHTS_FILE}; load with "
-          f"open_clip.create_model_and_transforms('local-dir:{out}')")  # fmt: skip
+    if args.format == "transformers":
+        print(f"wrote {out} (config.json, model.safetensors, tokenizer, processor, README.md); load with "
+              f"transformers.AutoModel.from_pretrained('{out}') and AutoProcessor.from_pretrained('{out}')")  # fmt: skip
+    else:
+        print(f"wrote {out / CONFIG_FILE}, {out / WEIGHTS_FILE} and README.md; load with "
+              f"open_clip.create_model_and_transforms('local-dir:{out}')")  # fmt: skip
+    print(f"fill in the licence in {out / 'README.md'}, then share it on the hub: {hub_upload_command(out)}")
     return 0
 
 

@@ -280,6 +280,11 @@ def _tokenizer(name: str, context_length: int | None, cache_dir: str | None = No
     # is read from the cache build_model filled: no network call.
     from ds_clip.hub import offline
 
+    if name in BUILTIN_MODELS:
+        # open_clip picks a tokenizer by name when the config names none: "siglip" in ds-clip-tiny-siglip would
+        # select its SentencePiece tokenizer, fetched from the network. The built-in models use the CLIP tokenizer.
+        text_cfg = load_model_cfg(name, cache_dir).get("text_cfg", {})
+        return open_clip.SimpleTokenizer(context_length=context_length or text_cfg.get("context_length", 77))
     with offline():
         return open_clip.get_tokenizer(name, context_length=context_length, cache_dir=cache_dir)
 

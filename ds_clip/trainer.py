@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from ds_clip.errors import RunError
 from ds_clip.evaluate import Evaluator
 from ds_clip.metrics import MetricsWriter, StepMeter
 from ds_clip.model import ModelBundle, check_tokenizer_fits
+from ds_clip.model_card import COMMAND_FILE, launch_command
 from ds_clip.preemption import StopRequest
 from ds_clip.presets import precision_mapping_text
 from ds_clip.step import StepResult, cached_step, micro_batch_seed
@@ -195,6 +197,9 @@ class Trainer:
         if info.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             write_run_files(run_dir, settings_to_dict(self.s), self.ds)
+            # Each launch's command line, for the model card of an export (a resume adds its own line).
+            with (run_dir / COMMAND_FILE).open("a") as f:
+                f.write(launch_command(sys.argv[1:]) + "\n")
         return run_dir
 
     def _log_precision(self) -> None:

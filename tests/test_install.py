@@ -338,12 +338,13 @@ def test_version_names_what_is_installed_and_two_ranks_train(which, request):
     )
 
 
-def test_hub_tests_pass_with_the_newest_hub_clients(fresh):
-    """The `hub` extra resolved from the index (transformers 5.x, huggingface_hub 1.x or later): tests/test_hub.py
-    (published tags, hf-hub: models and hub tokenizers from a stand-in hub on 127.0.0.1, online and offline,
-    under the launchers) passes against the installed wheel. Runs last in this module: it adds to `fresh`."""
+def test_hub_and_export_tests_pass_with_the_newest_transformers(fresh):
+    """The `hub` and `hf` extras resolved from the index (transformers 5.x, huggingface_hub 1.x or later):
+    tests/test_hub.py (published tags, hf-hub: models and hub tokenizers from a stand-in hub on 127.0.0.1, online
+    and offline, under the launchers) and tests/test_hf_export.py (the transformers export loaded by transformers)
+    pass against the installed wheel. Runs last in this module: it adds to `fresh`."""
     venv, env = fresh["venv"], fresh["env"]
-    added = _run([venv / "bin" / "python", "-m", "pip", "install", "-q", f"{fresh['wheel']}[hub]", "pytest"],
+    added = _run([venv / "bin" / "python", "-m", "pip", "install", "-q", f"{fresh['wheel']}[hub,hf]", "pytest"],
                  cwd=fresh["cwd"], env=env, timeout=1800)  # fmt: skip
     assert added.returncode == 0, added.stdout[-3000:] + added.stderr[-3000:]
     shown = _versions(fresh)
@@ -351,8 +352,8 @@ def test_hub_tests_pass_with_the_newest_hub_clients(fresh):
     # The tests and the harness without the package: `import ds_clip` finds the wheel, in pytest and in every
     # process the tests launch (their PYTHONPATH holds this copy's root, which has no ds_clip/).
     copy = _checkout_copy(fresh["cwd"] / "suite", only=("tests", "ds_clip_harness", "pyproject.toml"))
-    proc = _run([venv / "bin" / "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_hub.py"],
-                cwd=copy, env=env, timeout=1200)  # fmt: skip
+    proc = _run([venv / "bin" / "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_hub.py",
+                 "tests/test_hf_export.py"], cwd=copy, env=env, timeout=1800)  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert re.search(r"\d+ passed", out) and " skipped" not in out, out[-3000:]

@@ -1,0 +1,392 @@
+"""An open_clip CLIP as a transformers folder: ``CLIPModel`` weights and config, the CLIP tokenizer, the processor.
+
+    ds-clip-export logs/RUN OUT --format transformers
+    CLIPModel.from_pretrained(OUT), AutoModel, CLIPVisionModel, CLIPTextModel, AutoTokenizer, AutoProcessor
+
+The key mapping is ds_clip's own, written after transformers' converters from OpenAI/open_clip-style state
+dicts (``models/clip/convert_clip_original_pytorch_to_hf.py``, ``models/metaclip_2/convert_metaclip_2_to_hf.py``):
+open_clip's fused ``attn.in_proj_weight`` splits into q, k, v; its ``x @ proj`` projections become the transposed
+weights of bias-free ``nn.Linear`` layers; ``ln_pre``/``ln_post``/``ln_final`` are ``pre_layrnorm`` (sic),
+``post_layernorm``, ``final_layer_norm``.
+
+What the towers compute must be what transformers' CLIP computes, or the export would load and give other
+features. ``unmappable`` names the first thing that differs (CoCa's text decoder, a timm or Hugging Face tower,
+a ResNet, attentional or average pooling, layer scale, custom attention blocks, a text tower without its causal
+mask or pooled elsewhere than its end-of-text token, another tokenizer); ``ds-clip-export`` refuses it in one
+line before anything is written.
+
+Text pooling: open_clip's default ``pool_type="argmax"`` takes the end-of-text token (49407, the largest id of its
+tokenizer); transformers' CLIP text model pools the first ``eos_token_id`` when that is not 2 (an old config
+value, for which it takes the argmax). The config sets ``eos_token_id=49407``, so both pick the same position in
+every transformers version (4.x and 5.x pool this way). The tokenizer pads with id 0 (``!``) as open_clip does,
+so token ids are equal position by position; ``split_special_tokens`` keeps a ``!`` in a caption from being read
+as that pad token (open_clip encodes it as an ordinary ``!``).
+
+A SigLIP-trained open_clip CLIP (``init_logit_bias``) keeps CLIP's towers (class token, causal text mask), which
+transformers' ``SiglipModel`` cannot hold: it is exported as ``CLIPModel`` and the learnt bias is kept in the
+config as ``logit_bias`` (sigmoid(logits_per_image + logit_bias) are SigLIP's pair probabilities).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ds_clip.errors import UserError
+
+INSTALL_HINT = "pip install 'ds_clip[hf]'"
+# open_clip's CLIP tokenizer (SimpleTokenizer): its ids for the special tokens and the padding.
+SOT_ID, EOT_ID, PAD_ID, CLIP_VOCAB = 49406, 49407, 0, 49408
+# Block options of open_clip's towers that transformers' CLIP layers do not have.
+_CUSTOM_BLOCK = ("qk_norm", "scaled_cosine_attn", "scale_heads", "scale_attn_inner", "scale_attn", "scale_fc")
+_RESAMPLE = {"bicubic": 3, "bilinear": 2}  # PIL's codes, which CLIPImageProcessor's resample takes
+
+
+class UnmappableError(UserError):
+    """A model (or preprocessing) that transformers' CLIP classes cannot represent; the message names it."""
+
+
+class MissingTransformersError(UserError):
+    """transformers is not installed."""
+
+
+def require_transformers() -> None:
+    """Refuse, naming the extra, when transformers cannot be imported."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise MissingTransformersError(
+            f"--format transformers needs the transformers package ({exc}); install it with {INSTALL_HINT}"
+        ) from None
+
+
+def _vision_problem(v: dict) -> str | None:
+    if v.get("timm_model_name"):
+        return f"the timm image tower {v['timm_model_name']!r} (vision_cfg.timm_model_name)"
+    if not isinstance(v.get("layers", 12), int):
+        return "the ResNet image tower (vision_cfg.layers is a list)"
+    if v.get("attentional_pool"):
+        return "the image tower's attentional pooler (vision_cfg.attentional_pool)"
+    if v.get("pool_type", "tok") != "tok":
+        return (
+            f"the image tower's pooling vision_cfg.pool_type={v['pool_type']!r} (CLIP pools the class token)"
+        )
+    if v.get("no_ln_pre"):
+        return "an image tower without its pre-transformer LayerNorm (vision_cfg.no_ln_pre)"
+    if v.get("pos_embed_type", "learnable") != "learnable":
+        return f"the image tower's position embedding vision_cfg.pos_embed_type={v['pos_embed_type']!r}"
+    for key in ("image_size", "patch_size"):
+        size = v.get(key)
+        if isinstance(size, (list, tuple)) and len(set(size)) != 1:
+            return f"a non-square vision_cfg.{key} {list(size)}"
+    return _block_problem(v, "vision_cfg")
+
+
+def _text_problem(t: dict) -> str | None:
+    if t.get("hf_model_name"):
+        return f"the Hugging Face text tower {t['hf_model_name']!r} (text_cfg.hf_model_name)"
+    if t.get("hf_tokenizer_name"):
+        return f"the tokenizer {t['hf_tokenizer_name']!r} (text_cfg.hf_tokenizer_name; only open_clip's CLIP tokenizer maps)"
+    if t.get("tokenizer_kwargs") or t.get("tokenizer_mode"):
+        return "open_clip tokenizer options (text_cfg.tokenizer_kwargs/tokenizer_mode)"
+    if t.get("vocab_size", CLIP_VOCAB) != CLIP_VOCAB:
+        return f"text_cfg.vocab_size {t['vocab_size']} (open_clip's CLIP tokenizer has {CLIP_VOCAB} ids)"
+    if t.get("embed_cls"):
+        return "the text tower's CLS token (text_cfg.embed_cls)"
+    if t.get("no_causal_mask"):
+        return "a text tower without its causal mask (text_cfg.no_causal_mask)"
+    pool = t.get("pool_type", "argmax")
+    if pool not in ("argmax", "eos") or (pool == "eos" and t.get("eos_id", 2) != EOT_ID):
+        return f"the text tower's pooling text_cfg.pool_type={pool!r} (CLIP pools the end-of-text token)"
+    if t.get("proj_bias") or t.get("proj_type", "linear") != "linear":
+        return "the text projection of text_cfg.proj_bias/proj_type (CLIP's is one bias-free linear map)"
+    return _block_problem(t, "text_cfg")
+
+
+def _block_problem(cfg: dict, name: str) -> str | None:
+    if cfg.get("ls_init_value") is not None:
+        return f"layer scale ({name}.ls_init_value)"
+    if cfg.get("block_type") not in (None, "default") or any(cfg.get(k) for k in _CUSTOM_BLOCK):
+        return f"custom attention blocks ({name}.block_type or one of {', '.join(_CUSTOM_BLOCK)})"
+    if cfg.get("act_kwargs"):
+        return f"activation options ({name}.act_kwargs)"
+    if set(cfg.get("norm_kwargs") or {}) - {"eps"}:
+        return f"LayerNorm options other than eps ({name}.norm_kwargs)"
+    return None
+
+
+def unmappable(model_cfg: dict, preprocess_cfg: dict | None = None) -> str | None:
+    """What of this open_clip model (or its preprocessing) transformers' CLIP classes cannot represent, or None."""
+    if model_cfg.get("multimodal_cfg"):
+        return "CoCa's text decoder (multimodal_cfg)"
+    problem = _vision_problem(model_cfg.get("vision_cfg") or {}) or _text_problem(
+        model_cfg.get("text_cfg") or {}
+    )
+    if problem:
+        return problem
+    p = preprocess_cfg or {}
+    if p.get("resize_mode", "shortest") not in ("shortest", "squash"):
+        return f"preprocess_cfg resize_mode {p['resize_mode']!r} (CLIPImageProcessor resizes the shortest side or squashes)"
+    if p.get("interpolation", "bicubic") not in _RESAMPLE:
+        return f"preprocess_cfg interpolation {p['interpolation']!r}"
+    return None
+
+
+def check_mappable(model_cfg: dict, preprocess_cfg: dict | None = None) -> None:
+    problem = unmappable(model_cfg, preprocess_cfg)
+    if problem:
+        raise UnmappableError(
+            f"--format transformers: {problem} cannot be mapped to transformers' CLIPModel; "
+            "export it with --format open_clip"
+        )
+
+
+def _side(size: Any) -> int:
+    return int(size[0]) if isinstance(size, (list, tuple)) else int(size)
+
+
+def _eps(cfg: dict) -> float:
+    return float((cfg.get("norm_kwargs") or {}).get("eps", 1e-5))  # open_clip's LayerNorm default
+
+
+def clip_config_kwargs(model_cfg: dict, logit_scale: float, logit_bias: float | None) -> dict[str, Any]:
+    """The keyword arguments of transformers' ``CLIPConfig`` for this open_clip model (plain dicts for the towers,
+    which ``CLIPConfig`` accepts in 4.x and 5.x)."""
+    v, t = model_cfg["vision_cfg"], model_cfg["text_cfg"]
+    act = "quick_gelu" if model_cfg.get("quick_gelu") else "gelu"  # open_clip: QuickGELU or nn.GELU (exact)
+    embed_dim = int(model_cfg["embed_dim"])
+    width, t_width = int(v.get("width", 768)), int(t.get("width", 512))
+    vision = {
+        "hidden_size": width,
+        "intermediate_size": int(width * v.get("mlp_ratio", 4.0)),
+        "num_hidden_layers": int(v.get("layers", 12)),
+        "num_attention_heads": width // int(v.get("head_width", 64)),
+        "image_size": _side(v.get("image_size", 224)),
+        "patch_size": _side(v.get("patch_size", 16)),
+        "num_channels": 3,
+        "hidden_act": act,
+        "layer_norm_eps": _eps(v),
+        "projection_dim": embed_dim,
+    }
+    text = {
+        "vocab_size": int(t.get("vocab_size", CLIP_VOCAB)),
+        "hidden_size": t_width,
+        "intermediate_size": int(t_width * t.get("mlp_ratio", 4.0)),
+        "num_hidden_layers": int(t.get("layers", 12)),
+        "num_attention_heads": int(t.get("heads", 8)),
+        "max_position_embeddings": int(t.get("context_length", 77)),
+        "hidden_act": act,
+        "layer_norm_eps": _eps(t),
+        "projection_dim": embed_dim,
+        # eos_token_id 49407 (not the legacy 2): transformers then pools the first end-of-text token, the
+        # position open_clip's argmax pooling takes (module docstring).
+        "bos_token_id": SOT_ID,
+        "eos_token_id": EOT_ID,
+        "pad_token_id": PAD_ID,
+    }
+    kwargs: dict[str, Any] = {
+        "text_config": text,
+        "vision_config": vision,
+        "projection_dim": embed_dim,
+        "logit_scale_init_value": float(logit_scale),
+    }
+    if logit_bias is not None:
+        kwargs["logit_bias"] = float(
+            logit_bias
+        )  # kept as a config attribute: CLIPModel has no bias parameter
+    return kwargs
+
+
+def _layer_keys(src: str, dst: str, state: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> set[str]:
+    """Map the resblocks under ``src`` (``transformer.resblocks``) to transformers' layers under ``dst``."""
+    used = set()
+    names = {
+        "ln_1": "layer_norm1",
+        "ln_2": "layer_norm2",
+        "attn.out_proj": "self_attn.out_proj",
+        "mlp.c_fc": "mlp.fc1",
+        "mlp.c_proj": "mlp.fc2",
+    }
+    prefix = f"{src}."
+    for key, value in state.items():
+        if not key.startswith(prefix):
+            continue
+        index, rest = key[len(prefix) :].split(".", 1)
+        layer = f"{dst}.{index}"
+        if rest in ("attn.in_proj_weight", "attn.in_proj_bias"):
+            kind = rest.rsplit("_", 1)[1]  # weight | bias
+            for name, part in zip(("q_proj", "k_proj", "v_proj"), value.chunk(3, dim=0)):
+                out[f"{layer}.self_attn.{name}.{kind}"] = part
+        else:
+            module, kind = rest.rsplit(".", 1)
+            if module not in names:
+                raise UnmappableError(
+                    f"--format transformers: {key} cannot be mapped to transformers' CLIPModel"
+                )
+            out[f"{layer}.{names[module]}.{kind}"] = value
+        used.add(key)
+    return used
+
+
+def clip_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """open_clip CLIP (or CustomTextCLIP with open_clip's text transformer) weights in transformers' CLIPModel names.
+
+    Every open_clip tensor is used exactly once (an unknown one is refused, never dropped); ``logit_bias`` is left
+    out (the config carries it)."""
+    text = (
+        "text." if any(k.startswith("text.") for k in state) else ""
+    )  # CustomTextCLIP keeps the tower in .text
+    out: dict[str, torch.Tensor] = {}
+    direct = {
+        "visual.class_embedding": "vision_model.embeddings.class_embedding",
+        "visual.positional_embedding": "vision_model.embeddings.position_embedding.weight",
+        "visual.conv1.weight": "vision_model.embeddings.patch_embedding.weight",
+        "visual.ln_pre.weight": "vision_model.pre_layrnorm.weight",
+        "visual.ln_pre.bias": "vision_model.pre_layrnorm.bias",
+        "visual.ln_post.weight": "vision_model.post_layernorm.weight",
+        "visual.ln_post.bias": "vision_model.post_layernorm.bias",
+        f"{text}token_embedding.weight": "text_model.embeddings.token_embedding.weight",
+        f"{text}positional_embedding": "text_model.embeddings.position_embedding.weight",
+        f"{text}ln_final.weight": "text_model.final_layer_norm.weight",
+        f"{text}ln_final.bias": "text_model.final_layer_norm.bias",
+        "logit_scale": "logit_scale",
+    }
+    transposed = {
+        "visual.proj": "visual_projection.weight",
+        f"{text}text_projection": "text_projection.weight",
+    }
+    used = {"logit_bias"}
+    for src, dst in direct.items():
+        if src in state:
+            out[dst] = state[src]
+            used.add(src)
+    for src, dst in transposed.items():
+        if src in state:
+            out[dst] = state[src].t()  # open_clip computes x @ proj; nn.Linear computes x @ weight.T
+            used.add(src)
+    used |= _layer_keys("visual.transformer.resblocks", "vision_model.encoder.layers", state, out)
+    used |= _layer_keys(f"{text}transformer.resblocks", "text_model.encoder.layers", state, out)
+    left = sorted(set(state) - used)
+    if left:
+        raise UnmappableError(f"--format transformers: {left[0]} cannot be mapped to transformers' CLIPModel")
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def image_processor_kwargs(model_cfg: dict, preprocess_cfg: dict | None) -> dict[str, Any]:
+    """``CLIPImageProcessor`` settings equal to open_clip's eval transform of this preprocess config."""
+    p = preprocess_cfg or {}
+    side = _side(p.get("size") or model_cfg["vision_cfg"].get("image_size", 224))
+    mean = list(p.get("mean") or (0.48145466, 0.4578275, 0.40821073))  # open_clip's OPENAI_DATASET_MEAN/STD
+    std = list(p.get("std") or (0.26862954, 0.26130258, 0.27577711))
+    square = {"height": side, "width": side}
+    kwargs: dict[str, Any] = {
+        "do_resize": True,
+        "resample": _RESAMPLE[p.get("interpolation", "bicubic")],
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": mean,
+        "image_std": std,
+        "do_convert_rgb": True,
+    }
+    if p.get("resize_mode", "shortest") == "squash":  # open_clip: Resize((s, s)), no crop
+        kwargs.update(size=square, do_center_crop=False, crop_size=square)
+    else:  # open_clip: Resize(s) of the shortest side, CenterCrop(s)
+        kwargs.update(size={"shortest_edge": side}, do_center_crop=True, crop_size=square)
+    return kwargs
+
+
+def _clip_tokenizer_files(folder: Path) -> tuple[Path, Path]:
+    """vocab.json and merges.txt of open_clip's SimpleTokenizer (the BPE file shipped inside open_clip), in
+    the names transformers' CLIP tokenizer uses for the two special tokens."""
+    from open_clip.tokenizer import SimpleTokenizer
+
+    simple = SimpleTokenizer()
+    vocab = dict(simple.encoder)
+    vocab["<|startoftext|>"] = vocab.pop("<start_of_text>")
+    vocab["<|endoftext|>"] = vocab.pop("<end_of_text>")
+    if (vocab["<|startoftext|>"], vocab["<|endoftext|>"], len(vocab)) != (SOT_ID, EOT_ID, CLIP_VOCAB):
+        raise UnmappableError(
+            "--format transformers: this open_clip's tokenizer is not the 49408-id CLIP tokenizer"
+        )
+    merges = sorted(simple.bpe_ranks, key=simple.bpe_ranks.get)
+    vocab_file, merges_file = folder / "vocab.json", folder / "merges.txt"
+    vocab_file.write_text(json.dumps(vocab, ensure_ascii=False))
+    # The header line: transformers' CLIP tokenizer skips the first line of merges.txt.
+    merges_file.write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n")
+    return vocab_file, merges_file
+
+
+def build_tokenizer(context_length: int):
+    """transformers' CLIP tokenizer with open_clip's vocabulary, padding and truncation."""
+    import tempfile
+
+    try:  # transformers 4.x: the tokenizers-backed class is CLIPTokenizerFast (5.x keeps the name as an alias)
+        from transformers import CLIPTokenizerFast as Tokenizer
+    except ImportError:  # a release without the alias: CLIPTokenizer is the one (tokenizers-backed) class
+        from transformers import CLIPTokenizer as Tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        _clip_tokenizer_files(Path(tmp))
+        # from_pretrained of a folder holding vocab.json and merges.txt: the constructor's own arguments differ
+        # (4.x vocab_file/merges_file, 5.x vocab/merges), the folder loads the same in both.
+        return Tokenizer.from_pretrained(
+            tmp,
+            pad_token="!",  # id 0, open_clip's padding
+            model_max_length=context_length,  # truncation=True cuts at the context length, as open_clip does
+            # A "!" in a caption stays an ordinary "!</w>" (id 256) instead of matching the pad token.
+            split_special_tokens=True,
+        )
+
+
+def build_transformers(state: dict[str, torch.Tensor], model_cfg: dict, preprocess_cfg: dict | None):
+    """transformers' ``CLIPModel`` holding ``state`` (the open_clip model's weights, as ds_clip.export loaded them
+    strictly into open_clip's model: every CLIPModel key filled, no open_clip tensor left over) and its
+    ``CLIPProcessor``; built in memory, so that a model that does not map is refused before anything is written."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    bias = state.get("logit_bias")
+    config = CLIPConfig(
+        **clip_config_kwargs(
+            model_cfg, float(state["logit_scale"]), float(bias) if bias is not None else None
+        )
+    )
+    config.architectures = ["CLIPModel"]
+    model = CLIPModel(config)
+    missing, unexpected = model.load_state_dict(clip_state_dict(state), strict=False)
+    if missing or unexpected:
+        raise UnmappableError(
+            f"--format transformers: CLIPModel {'lacks ' + missing[0] if missing else 'has no ' + unexpected[0]}"
+        )
+    processor = CLIPProcessor(
+        image_processor=CLIPImageProcessor(**image_processor_kwargs(model_cfg, preprocess_cfg)),
+        tokenizer=build_tokenizer(int(model_cfg["text_cfg"].get("context_length", 77))),
+    )
+    return model, processor
+
+
+def save_transformers(out: Path, built) -> None:
+    """Write what ``build_transformers`` built into ``out``: config.json, model.safetensors, the tokenizer files
+    (tokenizer.json, vocab.json, merges.txt, ...) and preprocessor_config.json."""
+    model, processor = built
+    model.save_pretrained(str(out))
+    processor.save_pretrained(str(out))
+
+
+__all__ = [
+    "INSTALL_HINT",
+    "MissingTransformersError",
+    "UnmappableError",
+    "build_tokenizer",
+    "build_transformers",
+    "check_mappable",
+    "clip_config_kwargs",
+    "clip_state_dict",
+    "image_processor_kwargs",
+    "require_transformers",
+    "save_transformers",
+    "unmappable",
+]

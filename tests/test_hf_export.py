@@ -1,0 +1,309 @@
+"""ds-clip-export's two formats end to end: runs trained by the real CLI (a CLIP under the deepspeed launcher on 2
+ranks, a SigLIP-trained CLIP and a CoCa as single processes), exported as open_clip and as transformers folders,
+loaded by open_clip and by transformers (offline), and compared: features, token ids, preprocessing, model cards.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ds_clip.distributed import _free_port
+from ds_clip.export import main as export_main
+from ds_clip.hf_export import unmappable
+from ds_clip_harness.models import COCA_E2E_MODEL, CONFIGS, E2E_MODEL
+from tests.test_e2e import _run
+
+transformers = pytest.importorskip("transformers")
+
+# Captions of several lengths: short, with punctuation ("!" is also the pad token's text), mixed case and
+# spacing, and one longer than the context length (truncated, end-of-text kept last).
+CAPTIONS = [
+    "a red circle",
+    "Wow!!! a BLUE   square, on a white background; 2 of them.",
+    "a photo of a triangle!",
+    " ".join(["a green diamond next to a yellow circle"] * 8),
+]
+TRAIN = ["--batch-size", "4", "--max-steps", "2", "--workers", "1", "--report-to", "csv", "--warmup", "1"]
+
+
+def _train(cmd: list[str]) -> None:
+    proc = _run(cmd)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Three trained runs: 'clip' (ds-clip-tiny, deepspeed launcher, 2 ranks, validation and zero-shot at the end),
+    'siglip' (ds-clip-tiny-siglip with --siglip, ds-clip-train, k = 2) and 'coca' (a tiny CoCa, one step)."""
+    root = tmp_path_factory.mktemp("hf_runs")
+    classes = root / "classes.json"
+    classes.write_text(json.dumps({"classnames": ["circle", "square", "triangle", "diamond"]}))
+    coca = root / "coca_model"
+    coca.mkdir()
+    (coca / "open_clip_config.json").write_text(
+        json.dumps({"model_cfg": COCA_E2E_MODEL, "preprocess_cfg": {}})
+    )
+    logs = ["--logs", str(root / "logs")]
+    _train([
+        "deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "ds_clip.train",
+        "--model", "ds-clip-tiny", "--name", "clip", *logs, *TRAIN, "--val-data", "synthetic",
+        "--val-num-samples", "16", "--zeroshot-classes", str(classes),
+    ])  # fmt: skip
+    _train(["ds-clip-train", "--model", "ds-clip-tiny-siglip", "--siglip", "--accum-freq", "2", "--name", "siglip", *logs, *TRAIN])  # fmt: skip
+    _train(["ds-clip-train", "--model", f"local-dir:{coca}", "--name", "coca", *logs, *TRAIN[:2], "--max-steps", "1", "--workers", "1"])  # fmt: skip
+    return {name: root / "logs" / name for name in ("clip", "siglip", "coca")}
+
+
+def _export(capsys, run: Path, out: Path, *extra: str) -> tuple[int, str, str]:
+    rc = export_main([str(run), str(out), *extra])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def _images() -> list:
+    """RGB images whose resize + centre crop land on the same pixels in torchvision and transformers (an even
+    number of pixels cropped: docs/checkpoints.md says why)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return [
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
+        for h, w in ((64, 64), (80, 96), (72, 50), (200, 120))
+    ]
+
+
+def _features(out) -> torch.Tensor:
+    """get_image_features / get_text_features: a tensor in transformers 4.x, an output whose pooler_output holds
+    the projected features in 5.x."""
+    return out if isinstance(out, torch.Tensor) else out.pooler_output
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-4) -> None:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert (a - b).abs().max().item() <= tol, (a - b).abs().max().item()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["clip", "siglip"])
+def test_transformers_export_equals_open_clip(runs, tmp_path, capsys, name):
+    """`ds-clip-export RUN OUT --format transformers` of a trained run loads offline with AutoModel, CLIPModel,
+    CLIPVisionModel(WithProjection), CLIPTextModel(WithProjection), AutoTokenizer and AutoProcessor, and equals the
+    open_clip export of the same checkpoint loaded by open_clip: image and text features (<= 1e-4, fp32; random
+    pixels and processed images; captions of four lengths, one truncated), logits, token ids position by position
+    (padding included), and the processor's resize, crop and normalisation (its settings, and its pixels: equal
+    with the PIL image processor, within one 8-bit level with the torch one). A
+    SigLIP-trained CLIP keeps its logit_bias in the config. Both folders carry a model card, and the export prints
+    the hub's upload command."""
+    import open_clip
+    from transformers import (
+        AutoModel,
+        AutoProcessor,
+        AutoTokenizer,
+        CLIPModel,
+        CLIPTextModel,
+        CLIPTextModelWithProjection,
+        CLIPVisionModel,
+        CLIPVisionModelWithProjection,
+    )
+
+    hf_dir, oc_dir = tmp_path / "hf", tmp_path / "oc"
+    rc, out, err = _export(capsys, runs[name], hf_dir, "--format", "transformers")
+    assert rc == 0, err
+    assert f"hf upload YOUR_ORG/YOUR_MODEL {hf_dir} . --repo-type model" in out
+    rc, out, err = _export(capsys, runs[name], oc_dir)
+    assert rc == 0, err
+    assert f"hf upload YOUR_ORG/YOUR_MODEL {oc_dir} . --repo-type model" in out
+
+    oc_model, _, preprocess = open_clip.create_model_and_transforms(f"local-dir:{oc_dir}")
+    oc_model.eval()
+    tokenizer = open_clip.get_tokenizer(f"local-dir:{oc_dir}")
+    load = {"local_files_only": True}
+    model = AutoModel.from_pretrained(hf_dir, **load).eval()
+    assert type(model) is CLIPModel
+    processor = AutoProcessor.from_pretrained(hf_dir, **load)
+    hf_tok = AutoTokenizer.from_pretrained(hf_dir, **load)
+    context = oc_model.context_length
+
+    # Token ids: open_clip's tokenizer (padded with 0 to the context length, truncated with end-of-text last).
+    ids = tokenizer(CAPTIONS)
+    hf_ids = hf_tok(CAPTIONS, padding="max_length", truncation=True, return_tensors="pt")["input_ids"]
+    assert hf_ids.shape[1] == context and torch.equal(hf_ids, ids), (hf_ids, ids)
+    assert ids[-1, -1].item() == 49407 and (ids[:, -1] == 49407).sum() == 1  # the long caption was truncated
+
+    # Preprocessing: the processor's settings are the model's preprocess config, and its pixels open_clip's.
+    cfg = json.loads((oc_dir / "open_clip_config.json").read_text())["preprocess_cfg"]
+    ip = processor.image_processor
+    side = cfg["size"][0]
+    assert ip.size == {"shortest_edge": side} and ip.crop_size == {"height": side, "width": side}
+    assert ip.do_center_crop and ip.resample == 3 and cfg["interpolation"] == "bicubic"
+    assert np.allclose(ip.image_mean, cfg["mean"]) and np.allclose(ip.image_std, cfg["std"])
+    images = _images()
+    expected = torch.stack([preprocess(im) for im in images])
+    # The PIL image processor (transformers 4.x's default) resizes as torchvision does on PIL images: the same
+    # pixels. The torch one (5.x's default, use_fast=True) rounds a few pixels to the next 8-bit level.
+    pil = AutoProcessor.from_pretrained(hf_dir, use_fast=False, **load).image_processor
+    pixels = pil(images=images, return_tensors="pt")["pixel_values"]
+    _close(pixels, expected, 1e-5)
+    fast = AutoProcessor.from_pretrained(hf_dir, use_fast=True, **load).image_processor
+    _close(fast(images=images, return_tensors="pt")["pixel_values"], expected, 1.01 / 255 / min(cfg["std"]))
+
+    pixels = torch.cat([pixels, torch.randn(2, 3, side, side)])
+    inputs = processor(text=CAPTIONS, padding=True, truncation=True, return_tensors="pt")
+    with torch.no_grad():
+        img, txt = oc_model.encode_image(pixels), oc_model.encode_text(ids)
+        _close(_features(model.get_image_features(pixel_values=pixels)), img)
+        _close(
+            _features(model.get_text_features(**inputs)), txt
+        )  # padded to the longest caption only: same features
+        got = model(pixel_values=pixels, **inputs)
+        scale = oc_model.logit_scale.exp()
+        _close(got.logits_per_image, scale * (img / img.norm(dim=-1, keepdim=True)) @ (txt / txt.norm(dim=-1, keepdim=True)).T)  # fmt: skip
+        # Each tower alone.
+        vision = CLIPVisionModelWithProjection.from_pretrained(hf_dir, **load).eval()
+        _close(vision(pixel_values=pixels).image_embeds, img)
+        text = CLIPTextModelWithProjection.from_pretrained(hf_dir, **load).eval()
+        _close(text(**inputs).text_embeds, txt)
+        pooled = CLIPVisionModel.from_pretrained(hf_dir, **load).eval()(pixel_values=pixels).pooler_output
+        _close(pooled @ model.visual_projection.weight.T, img)
+        pooled = CLIPTextModel.from_pretrained(hf_dir, **load).eval()(**inputs).pooler_output
+        _close(pooled @ model.text_projection.weight.T, txt)
+    if name == "siglip":
+        assert model.config.logit_bias == pytest.approx(oc_model.logit_bias.item(), abs=1e-6)
+    else:
+        assert getattr(model.config, "logit_bias", None) is None
+
+    for folder, library in ((hf_dir, "transformers"), (oc_dir, "open_clip")):
+        card = (folder / "README.md").read_text()
+        model_name = "ds-clip-tiny-siglip" if name == "siglip" else "ds-clip-tiny"
+        for needle in (
+            f"library_name: {library}",
+            "# license: FILL IN before sharing",
+            f"| model | `{model_name}`",
+            "| global batch | 8 pairs per optimizer step (W = 2 ranks x k = 1" if name == "clip" else
+            "| global batch | 8 pairs per optimizer step (W = 1 ranks x k = 2",
+            "| steps | 2 ",
+            "| precision | fp32, DeepSpeed ZeRO stage",
+            f"ds-clip-train --model {model_name} ",
+            f"--name {name} --logs",
+            f"ds-clip-export {runs[name]} {folder}",
+            "SigLIP (sigmoid loss)" if name == "siglip" else "CLIP (softmax contrastive loss)",
+        ):  # fmt: skip
+            assert needle in card, (needle, card)
+        if name == "clip":
+            assert "| zeroshot_top1 |" in card and "| i2t_R@1 |" in card
+        else:
+            assert "No validation or zero-shot results" in card
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_unmappable_model_and_missing_transformers_are_refused_before_writing(
+    runs, tmp_path, capsys, monkeypatch
+):
+    """A CoCa run exported with --format transformers is refused in one line naming CoCa's text decoder, exit 2,
+    nothing written (its open_clip export still works, with a model card); without transformers installed the
+    transformers format is refused in one line naming `pip install 'ds_clip[hf]'`, exit 2, nothing written."""
+    out = tmp_path / "coca_hf"
+    rc, _, err = _export(capsys, runs["coca"], out, "--format", "transformers")
+    assert rc == 2 and err.strip().count("\n") == 0, err
+    assert "CoCa's text decoder (multimodal_cfg) cannot be mapped to transformers' CLIPModel" in err
+    assert not out.exists()
+    rc, _, err = _export(capsys, runs["coca"], tmp_path / "coca_oc")
+    assert rc == 0 and (tmp_path / "coca_oc" / "README.md").is_file(), err
+
+    monkeypatch.setitem(
+        sys.modules, "transformers", None
+    )  # what `import transformers` meets when not installed
+    out = tmp_path / "no_transformers"
+    rc, _, err = _export(capsys, runs["clip"], out, "--format", "transformers")
+    assert rc == 2 and err.strip().count("\n") == 0 and "pip install 'ds_clip[hf]'" in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "model_cfg, preprocess_cfg, needle",
+    [
+        (CONFIGS["coca"], {}, "CoCa's text decoder"),
+        (CONFIGS["timm_dropout"], {}, "the timm image tower 'test_vit'"),
+        (CONFIGS["resnet_bn"], {}, "the ResNet image tower"),
+        (
+            {**E2E_MODEL, "text_cfg": {"hf_model_name": "roberta-base"}},
+            {},
+            "the Hugging Face text tower 'roberta-base'",
+        ),
+        (
+            {**E2E_MODEL, "vision_cfg": {**E2E_MODEL["vision_cfg"], "attentional_pool": True}},
+            {},
+            "attentional pooler",
+        ),
+        ({**E2E_MODEL, "vision_cfg": {**E2E_MODEL["vision_cfg"], "pool_type": "avg"}}, {}, "pool_type='avg'"),
+        ({**E2E_MODEL, "vision_cfg": {**E2E_MODEL["vision_cfg"], "ls_init_value": 0.1}}, {}, "layer scale"),
+        ({**E2E_MODEL, "text_cfg": {**E2E_MODEL["text_cfg"], "pool_type": "last"}}, {}, "pool_type='last'"),
+        ({**E2E_MODEL, "text_cfg": {**E2E_MODEL["text_cfg"], "no_causal_mask": True}}, {}, "causal mask"),
+        (
+            {**E2E_MODEL, "text_cfg": {**E2E_MODEL["text_cfg"], "hf_tokenizer_name": "t5-base"}},
+            {},
+            "'t5-base'",
+        ),
+        (E2E_MODEL, {"resize_mode": "longest"}, "resize_mode 'longest'"),
+        (CONFIGS["vit"], {}, "text_cfg.vocab_size 64"),
+        (E2E_MODEL, {"resize_mode": "squash"}, None),
+        ({**E2E_MODEL, "quick_gelu": True, "custom_text": True}, {}, None),
+    ],
+)
+def test_what_transformers_cannot_represent_is_named(model_cfg, preprocess_cfg, needle):
+    """Each open_clip feature transformers' CLIPModel lacks is named (the export's one-line refusal); CLIP's own
+    variants (QuickGELU, a CustomTextCLIP text tower, squash resizing) map."""
+    problem = unmappable(model_cfg, preprocess_cfg)
+    assert (problem is None) if needle is None else (needle in (problem or "")), problem
+
+
+def test_model_card_reads_what_the_run_recorded(tmp_path):
+    """The card quotes every launch of the run (the launcher's --local_rank dropped), the evaluation of the
+    exported step or the last one before it, and says what the run did not record instead of guessing."""
+    from ds_clip.model_card import card_text, launch_command
+
+    run = tmp_path / "run1"
+    ckpt = run / "checkpoints" / "step_00000006"
+    ckpt.mkdir(parents=True)
+    (run / "command.txt").write_text(
+        launch_command(["--local_rank=1", "--name", "run1", "--lr", "1e-3"]) + "\n"
+        + launch_command(["--name", "run1", "--resume", "latest"]) + "\n"
+    )  # fmt: skip
+    (run / "eval_results.json").write_text(
+        json.dumps([{"step": 4, "zeroshot_top1": 0.5}, {"step": 8, "zeroshot_top1": 0.9}])
+    )
+    meta = {
+        "step": 6, "model": "ds-clip-tiny", "model_cfg": E2E_MODEL, "world_size": 4, "accum_freq": 2,
+        "micro_batch_size": 8, "global_batch_size": 64, "precision": "bf16", "zero_stage": 2,
+        "settings": {"siglip": False, "name": "run1", "train_data": "/data/{00000..00099}.tar", "dataset_type": "webdataset"},
+    }  # fmt: skip
+    card = card_text(
+        meta=meta, checkpoint=ckpt, fmt="open_clip", weights="trained weights", command="ds-clip-export x y"
+    )
+    assert "ds-clip-train --name run1 --lr 1e-3\nds-clip-train --name run1 --resume latest\n" in card
+    assert "Validation at step 4" in card and "| zeroshot_top1 | 0.5 |" in card and "0.9" not in card
+    assert (
+        "| global batch | 64 pairs per optimizer step (W = 4 ranks x k = 2 micro-batches x m = 8 pairs) |"
+        in card
+    )
+    assert (
+        "| precision | bf16, DeepSpeed ZeRO stage 2 |" in card
+        and "`/data/{00000..00099}.tar` (webdataset)" in card
+    )
+    elsewhere = tmp_path / "step_00000006"  # a checkpoint copied out of its run folder
+    elsewhere.mkdir()
+    card = card_text(
+        meta=meta, checkpoint=elsewhere, fmt="transformers", weights="trained weights", command="x"
+    )
+    assert (
+        "(not recorded: the run folder has no command.txt)" in card
+        and "No validation or zero-shot results" in card
+    )
