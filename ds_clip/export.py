@@ -18,7 +18,6 @@ shape back, and the result is loaded strictly into a fresh open_clip model befor
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -26,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from ds_clip.checkpoint import CheckpointError, read_meta, resolve, safe_load
-from ds_clip.config import add_flags
+from ds_clip.checkpoint import POINTER, CheckpointError, read_meta, resolve, safe_load
+from ds_clip.config import Parser, add_flags
 from ds_clip.ema import full_state_from_files
 from ds_clip.errors import UserError
 
@@ -110,14 +109,25 @@ def to_open_clip(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tenso
     return out
 
 
-def export(checkpoint: str, out: str | Path, *, ema: bool = False, cache_dir: str | None = None) -> Path:
+def export(
+    checkpoint: str,
+    out: str | Path,
+    *,
+    ema: bool = False,
+    cache_dir: str | None = None,
+    overwrite: bool = False,
+) -> Path:
     """Write OUT/open_clip_config.json and OUT/open_clip_model.safetensors (and, for a model whose tokenizer
     lives on the hub, that tokenizer's files: open_clip reads a local-dir: model's tokenizer from its folder);
     return OUT. ``ema``: the weight EMA of the trained parameters (--ema-decay) in place of their live values;
-    buffers and frozen parameters, which no optimizer moves, are the live ones."""
+    buffers and frozen parameters, which no optimizer moves, are the live ones. An OUT that already holds an
+    export is refused unless ``overwrite`` (as ds-clip-shards refuses to write over shards)."""
     from safetensors.torch import save_file
 
-    path = resolve(None, checkpoint)
+    held = [name for name in (WEIGHTS_FILE, CONFIG_FILE) if (Path(out) / name).exists()]
+    if held and not overwrite:
+        raise ExportError(f"{out} already holds an export ({held[0]}); pass --overwrite to replace it")
+    path = _resolve_export_source(checkpoint)
     meta = read_meta(path)
     model_cfg = meta.get("model_cfg")
     if not model_cfg:
@@ -145,6 +155,17 @@ def export(checkpoint: str, out: str | Path, *, ema: bool = False, cache_dir: st
     if tokenizer:
         _save_hub_tokenizer(tokenizer, out, cache_dir)
     return out
+
+
+def _resolve_export_source(checkpoint: str) -> Path:
+    """The complete checkpoint ``checkpoint`` names; a run folder whose run saved none is said to be one."""
+    run = Path(checkpoint).expanduser()
+    if (run / "settings.json").is_file() and not (run / "checkpoints" / POINTER).exists():
+        raise ExportError(
+            f"{checkpoint} is a run folder whose run saved no checkpoint (no checkpoints/{POINTER}): it stopped "
+            "before its first save (a run saves at its end and at --save-every-n-steps / --save-frequency)"
+        )
+    return resolve(None, checkpoint)
 
 
 def _save_hub_tokenizer(name: str, out: Path, cache_dir: str | None) -> None:
@@ -184,7 +205,7 @@ def resolve_pretrained(pretrained: str | None) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="ds-clip-export",
         description="Write a ds_clip checkpoint as an open_clip model folder (open_clip_config.json + safetensors).",
     )
@@ -197,10 +218,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="export the weight EMA the run kept (--ema-decay) instead of the weights",
     )
+    p.add_argument("--overwrite", action="store_true", help="replace an export already in the output folder")
     add_flags(p, ["cache_dir"])
     args = p.parse_args(argv)
     try:
-        out = export(args.checkpoint, args.out, ema=args.ema, cache_dir=args.cache_dir)
+        out = export(
+            args.checkpoint, args.out, ema=args.ema, cache_dir=args.cache_dir, overwrite=args.overwrite
+        )
     except (CheckpointError, UserError) as exc:
         print(f"ds-clip-export: error: {str(exc).replace('--resume ', '')}", file=sys.stderr)
         return 2
