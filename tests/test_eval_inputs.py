@@ -264,6 +264,42 @@ def test_ds_clip_eval_on_a_csv_and_class_folders(tmp_path, capsys):
     assert len(err) == 1 and "nothing to evaluate" in err[0]
 
 
+@pytest.mark.slow
+def test_ds_clip_eval_reads_any_table_with_dataset_type_csv_and_skips_a_bad_class_image(tmp_path, capsys):
+    """A table not named .csv/.tsv with --dataset-type csv (the flag the refusal of such a file names), saved
+    with a byte-order mark; a class folder holding an undecodable image: metrics, exit 0, and the evaluation
+    raises no "requires_grad=True to a scalar" warning (it runs under no_grad)."""
+    import warnings
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "open_clip_config.json").write_text(json.dumps({"model_cfg": TINY, "preprocess_cfg": {}}))
+    rows = [(str(_png(tmp_path / "img" / f"{i}.png", COLORS["red"])), f"a red circle {i}") for i in range(5)]
+    table = tmp_path / "val.txt"
+    table.write_text("filepath\ttitle\n" + "".join(f"{p}\t{c}\n" for p, c in rows), encoding="utf-8-sig")
+    root = _class_tree(tmp_path / "colors")
+    (root / "blue" / "1.png").write_bytes(b"not a png")
+    out = tmp_path / "m.json"
+    argv = [
+        str(model),
+        "--val-data",
+        str(table),
+        "--zeroshot-folder",
+        str(root),
+        "--zeroshot-templates",
+        "simple",
+    ]
+    assert ev.main(argv) == 2  # read as shards without --dataset-type csv, and refused saying so
+    assert "--dataset-type csv" in capsys.readouterr().err
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = ev.main([*argv, "--dataset-type", "csv", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    m = json.loads(out.read_text())
+    assert m["val_samples"] == 5 and m["zeroshot-folder-samples"] == 5
+    assert not [w for w in caught if "requires_grad" in str(w.message)], [str(w.message) for w in caught]
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_a_default_run_folder_is_what_the_readme_says_and_its_name_is_not_reused(tmp_path):
