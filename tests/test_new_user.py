@@ -126,6 +126,68 @@ def test_a_mistyped_flag_is_one_line_with_the_closest_flag_and_a_pointer_to_help
         assert f"`{prog} --help`" in err
 
 
+def test_the_default_run_name_is_the_documented_pattern(tmp_path):
+    """k, or N under --global-batch-size (k then follows from the world size), as --help and the docs say; a
+    local-dir: model named by the last two folders of its path, not "model_model"."""
+    from datetime import datetime
+
+    from ds_clip.config import default_run_name, flag_named, parse_settings
+
+    model = _model_dir(tmp_path / "exports" / "model")
+    now = datetime(2026, 1, 2, 3, 4, 5)
+    s = parse_settings(["--model", model, "--batch-size", "4", "--accum-freq", "2"])
+    assert default_run_name(s, now) == "2026_01_02-03_04_05-model_local-exports-model-m_4-k_2"
+    s = parse_settings(["--batch-size", "8", "--global-batch-size", "64"])
+    assert default_run_name(s, now) == "2026_01_02-03_04_05-model_ds-clip-tiny-m_8-N_64"
+    doc = flag_named("name").doc
+    assert '"YYYY_mm_dd-HH_MM_SS-model_<model>-m_<m>-k_<k>"' in doc and '"-N_<N>" in place of "-k_<k>"' in doc
+    assert "last two folder names" in doc
+
+
+def test_step_lines_and_the_last_line_name_the_two_kinds_of_skip():
+    from ds_clip.metrics import format_line
+
+    row = {
+        "step": 3, "total_steps": 4, "epoch": 0, "samples_seen": 48, "loss": 2.0, "logit_scale": 14.0, "lr": 1e-4,
+        "samples_per_s": 1.0, "samples_per_s_per_rank": 0.5, "data_time_s": 0.1, "step_time_s": 0.2,
+        "peak_mem_mib": 1.0, "skipped_samples": 3, "skipped_steps": 1,
+    }  # fmt: skip
+    line = format_line(row)
+    assert (
+        "| skipped_samples 3 |" in line and line.endswith("| skipped_steps 1") and "| skipped 3" not in line
+    )
+
+
+def test_ds_clip_export_says_a_run_saved_no_checkpoint_and_keeps_an_existing_export(tmp_path, capsys):
+    """The run folder of a run that stopped before its first save (settings.json, no checkpoints/latest_complete):
+    named as such, not as a partial checkpoint. An OUT that holds an export: refused before anything is read
+    or written, unless --overwrite."""
+    from ds_clip.export import main as export_main
+
+    run = tmp_path / "logs" / "run"
+    run.mkdir(parents=True)
+    (run / "settings.json").write_text("{}")
+    (run / "ds_config.json").write_text("{}")
+    assert export_main([str(run), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.count("\n") == 1
+        and "is a run folder whose run saved no checkpoint" in err
+        and "partial" not in err
+    )
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "open_clip_model.safetensors").write_bytes(b"an earlier export")
+    assert export_main([str(run), str(held)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds an export (open_clip_model.safetensors); pass --overwrite" in err, err
+    assert (held / "open_clip_model.safetensors").read_bytes() == b"an earlier export"
+    assert (
+        export_main([str(run), str(held), "--overwrite"]) == 2
+    )  # past the refusal, to the missing checkpoint
+    assert "saved no checkpoint" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------------ tables and shards
 
 
