@@ -18,11 +18,13 @@ import io
 import json
 import os
 import sys
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from PIL import Image
 
+from ds_clip.config import Parser
 from ds_clip.errors import UserError
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
@@ -161,9 +163,9 @@ def write_shards(samples: Iterator[Sample | Skip], output: str, samples_per_shar
     return sizes, skipped
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not usage + message
-        raise ShardError(message)
+class _Parser(Parser):
+    def error(self, message: str) -> typing.NoReturn:  # one line, not usage + message; the closest flag named
+        raise ShardError(self.explain(message))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -124,6 +124,11 @@ def test_a_mistyped_flag_is_one_line_with_the_closest_flag_and_a_pointer_to_help
         assert err.count("\n") == 1 and "usage:" not in err, err
         assert err.startswith(f"{prog}: error: unrecognized arguments:") and want in err, err
         assert f"`{prog} --help`" in err
+    from ds_clip.shards import main as shards_main
+
+    assert shards_main(["--synthetic", "3", "--output", "o", "--overwirte"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.endswith("--overwirte (did you mean --overwrite?)\n"), err
 
 
 def test_the_default_run_name_is_the_documented_pattern(tmp_path):
