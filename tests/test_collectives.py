@@ -380,7 +380,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def guarded_train_commands(model: str, logs: Path, report: Path) -> list[list[str]]:
-    """Train 4 steps (log every step, evaluate with zero-shot at step 2 and 4, save at step 2), then
+    """Train 4 steps (log every step, evaluate at step 2 and 4, zero-shot at the end, save at step 2), then
     --resume latest for 2 more, both under `deepspeed --num_gpus 2` with the guard on every rank."""
     classes = logs / "classes.txt"
     classes.write_text("circle\nsquare\ntriangle\n")
