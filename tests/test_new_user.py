@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ds_clip.distributed import _free_port
 from ds_clip.train import main as train_main
@@ -147,6 +148,77 @@ def test_the_default_run_name_is_the_documented_pattern(tmp_path):
     doc = flag_named("name").doc
     assert '"YYYY_mm_dd-HH_MM_SS-model_<model>-m_<m>-k_<k>"' in doc and '"-N_<N>" in place of "-k_<k>"' in doc
     assert "last two folder names" in doc
+
+
+class _ForwardOnly:
+    """What the Evaluator calls on DeepSpeed's engine (train/eval, its module, its dtype, forward), around a
+    model that embeds an image by its mean colour and a text by its length: the cadence is what is tested."""
+
+    device = "cpu"
+
+    def __init__(self) -> None:
+        self.module = torch.nn.Linear(1, 1)
+
+    def eval(self):
+        self.module.eval()
+
+    def train(self):
+        self.module.train()
+
+    def bfloat16_enabled(self) -> bool:
+        return False
+
+    def fp16_enabled(self) -> bool:
+        return False
+
+    def __call__(self, image=None, text=None):
+        out = {"logit_scale": torch.tensor(10.0)}
+        if image is not None:
+            out["image_features"] = torch.nn.functional.normalize(image.float().mean((2, 3)), dim=-1)
+        if text is not None:
+            out["text_features"] = torch.nn.functional.normalize(text.float()[:, :3] + 1, dim=-1)
+        return out
+
+
+def test_zeroshot_classes_follow_the_zeroshot_frequency_like_every_zero_shot_source(tmp_path):
+    """--val-every-n-steps 1 with --zeroshot-classes and --zeroshot-frequency's default (the end only): the
+    --val-data metrics at every step, the zero-shot ones at the end only; --zeroshot-frequency 1 (an epoch is 2
+    steps) adds them at step 2, without the --val-data metrics that step is not on the cadence of."""
+    import torchvision.transforms as T
+
+    from ds_clip import evaluate as ev
+
+    classes = tmp_path / "classes.txt"
+    classes.write_text("circle\nsquare\ntriangle\ndiamond\n")
+    settings = ev.EvalSettings(
+        val_data="synthetic", val_num_samples=8, batch_size=4, zeroshot_classes=str(classes)
+    )
+    preprocess = T.Compose([T.Resize(8), T.ToTensor()])
+
+    def tokenizer(texts):
+        return torch.tensor([[len(t), t.count("a"), t.count("e"), 0] for t in texts])
+
+    def history(every_n_steps: int, zeroshot_epochs: int | None, name: str) -> dict[int, set[str]]:
+        run = tmp_path / name
+        run.mkdir()
+        evaluator = ev.Evaluator(
+            _ForwardOnly(), settings, preprocess=preprocess, tokenizer=tokenizer, run_dir=run,
+            every_n_steps=every_n_steps, is_main=True, zeroshot_every_n_epochs=zeroshot_epochs, steps_per_epoch=2,
+        )  # fmt: skip
+        for step in range(1, 4):
+            evaluator.maybe_run(step, 4)
+        evaluator.run(4)
+        return {h["step"]: set(h) for h in json.loads((run / "eval_results.json").read_text())}
+
+    got = history(1, None, "end_only")
+    assert sorted(got) == [1, 2, 3, 4]
+    assert [("zeroshot_top1" in got[s], "val_loss" in got[s]) for s in range(1, 5)] == [
+        (False, True), (False, True), (False, True), (True, True)
+    ]  # fmt: skip
+    got = history(3, 1, "each_epoch")
+    assert sorted(got) == [2, 3, 4]
+    assert ("zeroshot_top1" in got[2], "val_loss" in got[2]) == (True, False)
+    assert ("zeroshot_top1" in got[3], "val_loss" in got[3]) == (False, True)
 
 
 def test_step_lines_and_the_last_line_name_the_two_kinds_of_skip():
