@@ -17,7 +17,7 @@ at least 18 GiB of free memory; see docs/benchmarks.md):
 
 Quick look (a few minutes on 2 cores):
 
-    PYTHONPATH=. python benchmarks/bench_largest.py --memory-budget 3 --time-cap 30 --json /tmp/largest.json
+    PYTHONPATH=. python benchmarks/bench_largest.py --memory-budget 3 --time-cap 30 --json largest.json
 
 Re-render the table and the plot from saved JSON, running nothing:
 

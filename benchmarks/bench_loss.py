@@ -4,7 +4,7 @@ forward+backward and peak memory, one process, d = 512.
 Run from the repository root (about 10 minutes on 2 CPU cores; the time box then skips SigLIP at 64k,
 add --time-budget-s 600 for it, about 16 minutes in all):
 
-    PYTHONPATH=. python benchmarks/bench_loss.py --json /tmp/bench_loss.json
+    PYTHONPATH=. python benchmarks/bench_loss.py --json bench_loss.json
 
 Quick look:  PYTHONPATH=. python benchmarks/bench_loss.py --sizes 4096 16384 --losses clip
 

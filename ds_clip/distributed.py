@@ -23,14 +23,18 @@ into a plain tensor on ``.cpu()``), so a tensor handed to a collective that neve
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ds_clip import shm
+from ds_clip.errors import UserError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -367,6 +371,41 @@ def all_gather_object(obj: Any) -> list:
     out: list = [None] * world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def failures(error: str | None) -> list[tuple[int, str]]:
+    """A collective: (rank, message) of every rank whose part failed (``error``: what failed here, None if
+    nothing), in rank order, the same on every rank; [] when nothing failed. One 4-byte all-reduce when all went
+    well; the messages travel only after a failure. A rank that fails alone thus says so at an agreed point
+    instead of leaving the others waiting in their next collective until the process-group timeout."""
+    if not any_rank(error is not None):
+        return []
+    return [(r, m) for r, m in enumerate(all_gather_object(error)) if m]
+
+
+def agree_on_user_error(error: UserError | None) -> None:
+    """A collective: when bad input was found on any rank (``error``: this rank's, None if none), every rank
+    raises one ``UserError`` with the first failing rank's message, which the entry point prints once per job
+    (rank 0; ``UserError.same_on_every_rank``). The rank is named when not every rank found the same."""
+    failed = failures(None if error is None else str(error))
+    if not failed:
+        return
+    r, message = failed[0]
+    if len(failed) < world_size() or any(m != message for _, m in failed):
+        message = f"rank {r}: {message}"
+    raise UserError(message)
+
+
+def agreed(fn: Callable[[], T]) -> T:
+    """``fn()`` on every rank (a check, or a builder that checks its input), its bad input agreed on
+    (``agree_on_user_error``): a file each rank reads on its own host is reported once per job, not once per
+    rank, and no rank is left waiting for one that gave up."""
+    try:
+        out, error = fn(), None
+    except UserError as exc:
+        out, error = None, exc
+    agree_on_user_error(error)
+    return out  # type: ignore[return-value]
 
 
 def barrier() -> None:

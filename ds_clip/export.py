@@ -21,7 +21,6 @@ shape back, and the result is loaded strictly into a fresh open_clip model befor
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import shlex
@@ -31,14 +30,16 @@ from pathlib import Path
 import torch
 
 from ds_clip import hf_export
-from ds_clip.checkpoint import CheckpointError, read_meta, resolve, safe_load
-from ds_clip.config import add_flags
+from ds_clip.checkpoint import POINTER, CheckpointError, read_meta, resolve, safe_load
+from ds_clip.config import Parser, add_flags
 from ds_clip.ema import full_state_from_files
 from ds_clip.errors import UserError
 from ds_clip.model_card import hub_upload_command, write_card
 
 WEIGHTS_FILE = "open_clip_model.safetensors"
 CONFIG_FILE = "open_clip_config.json"
+# What marks a folder as holding an export of either format (--overwrite replaces it).
+EXPORT_FILES = (WEIGHTS_FILE, CONFIG_FILE, "model.safetensors", "config.json")
 FORMATS = ("open_clip", "transformers")
 
 
@@ -124,6 +125,7 @@ def export(
     ema: bool = False,
     cache_dir: str | None = None,
     fmt: str = "open_clip",
+    overwrite: bool = False,
 ) -> Path:
     """Write the export of ``checkpoint`` into OUT and return OUT: with ``fmt`` "open_clip", open_clip_config.json and
     open_clip_model.safetensors (and, for a model whose tokenizer lives on the hub, that tokenizer's files: open_clip
@@ -131,14 +133,18 @@ def export(
     (ds_clip.hf_export). Both get a model card, README.md (ds_clip.model_card). ``ema``: the weight EMA of the
     trained parameters (--ema-decay) in place of their live values; buffers and frozen parameters, which no optimizer
     moves, are the live ones. A model transformers cannot represent, or a missing transformers, is refused before
-    anything is written."""
+    anything is written; so is an OUT that already holds an export, unless ``overwrite`` (as ds-clip-shards refuses
+    to write over shards)."""
     from safetensors.torch import save_file
 
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
+    held = [name for name in EXPORT_FILES if (Path(out) / name).exists()]
+    if held and not overwrite:
+        raise ExportError(f"{out} already holds an export ({held[0]}); pass --overwrite to replace it")
     if fmt == "transformers":
         hf_export.require_transformers()
-    path = resolve(None, checkpoint)
+    path = _resolve_export_source(checkpoint)
     meta = read_meta(path)
     model_cfg = meta.get("model_cfg")
     if not model_cfg:
@@ -182,6 +188,17 @@ def export(
     return out
 
 
+def _resolve_export_source(checkpoint: str) -> Path:
+    """The complete checkpoint ``checkpoint`` names; a run folder whose run saved none is said to be one."""
+    run = Path(checkpoint).expanduser()
+    if (run / "settings.json").is_file() and not (run / "checkpoints" / POINTER).exists():
+        raise ExportError(
+            f"{checkpoint} is a run folder whose run saved no checkpoint (no checkpoints/{POINTER}): it stopped "
+            "before its first save (a run saves at its end and at --save-every-n-steps / --save-frequency)"
+        )
+    return resolve(None, checkpoint)
+
+
 def _save_hub_tokenizer(name: str, out: Path, cache_dir: str | None) -> None:
     """The hub tokenizer ``name`` (from the cache, fetched when missing and allowed) saved into ``out``."""
     from ds_clip import hub
@@ -219,7 +236,7 @@ def resolve_pretrained(pretrained: str | None) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="ds-clip-export",
         description="Write a ds_clip checkpoint as an open_clip model folder (open_clip_config.json + safetensors) "
         "or a transformers CLIPModel folder, with a model card (README.md).",
@@ -240,10 +257,14 @@ def main(argv: list[str] | None = None) -> int:
         help="open_clip (open_clip_config.json + open_clip_model.safetensors) or transformers (CLIPModel, "
         "tokenizer and processor; needs pip install 'ds_clip[hf]')",
     )
+    p.add_argument("--overwrite", action="store_true", help="replace an export already in the output folder")
     add_flags(p, ["cache_dir"])
     args = p.parse_args(argv)
     try:
-        out = export(args.checkpoint, args.out, ema=args.ema, cache_dir=args.cache_dir, fmt=args.format)
+        out = export(
+            args.checkpoint, args.out, ema=args.ema, cache_dir=args.cache_dir, fmt=args.format,
+            overwrite=args.overwrite,
+        )  # fmt: skip
     except (CheckpointError, UserError) as exc:
         print(f"ds-clip-export: error: {str(exc).replace('--resume ', '')}", file=sys.stderr)
         return 2

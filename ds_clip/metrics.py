@@ -41,8 +41,9 @@ def format_line(m: dict[str, Any]) -> str:
         f"step {m['step_time_s']:.3f}s",
         f"peak_mem {m['peak_mem_mib']:.0f}MiB",
     ]
+    # Two kinds of skip, named apart: bad samples the loaders left out, updates a non-finite step skipped.
     if m.get("skipped_samples"):
-        parts.append(f"skipped {m['skipped_samples']}")
+        parts.append(f"skipped_samples {m['skipped_samples']}")
     if m.get("skipped_steps"):
         parts.append(f"skipped_steps {m['skipped_steps']}")
     return " | ".join(parts)

@@ -83,6 +83,59 @@ class Schedule:
         raise ValueError(f"unknown LR schedule {self.kind!r}; one of {', '.join(SCHEDULES)}")
 
 
+@dataclass(frozen=True)
+class RunLength:
+    """How long a run trains: ``--epochs`` and ``--max-steps`` are two limits, and it stops at whichever comes
+    first; --max-steps alone runs as many epochs as its steps take, neither flag one epoch."""
+
+    total_steps: int
+    steps_per_epoch: int
+    limit: str
+    """The flag (with its value) that ends the run, for the start line."""
+
+    @classmethod
+    def of(cls, o: OptimSettings, steps_per_epoch: int) -> RunLength:
+        if o.max_steps is not None and o.epochs is None:
+            return cls(o.max_steps, steps_per_epoch, f"--max-steps {o.max_steps}")
+        epochs = o.epochs or 1
+        by_epochs = epochs * steps_per_epoch
+        if o.max_steps is None:
+            return cls(by_epochs, steps_per_epoch, f"--epochs {epochs}")
+        if o.max_steps < by_epochs:
+            return cls(
+                o.max_steps, steps_per_epoch, f"--max-steps {o.max_steps}, before --epochs {epochs} ends"
+            )
+        return cls(
+            by_epochs, steps_per_epoch, f"--epochs {epochs}, before --max-steps {o.max_steps} is reached"
+        )
+
+    @property
+    def epochs(self) -> float:
+        return self.total_steps / self.steps_per_epoch
+
+    def describe(self) -> str:
+        """ "40 steps = 5 epochs of 8 steps (--max-steps 40)"."""
+        e = self.epochs
+        shown = f"{e:g}" if e == int(e) else f"{e:.2f}"
+        return (
+            f"{self.total_steps} steps = {shown} epoch{'' if e == 1 else 's'} of {self.steps_per_epoch} steps "
+            f"({self.limit})"
+        )
+
+
+def warmup_warning(o: OptimSettings, total_steps: int) -> str | None:
+    """What the start line warns of when --warmup is at least as long as the run (open_clip's warmup of 10000
+    pasted into a short run): the LR climbs the whole run, never decays, and ends below --lr."""
+    if o.skip_scheduler or o.warmup < total_steps or total_steps < 1:
+        return None
+    reached = _warmup(total_steps - 1, o.warmup)  # the multiplier of the last step
+    return (
+        f"--warmup {o.warmup} is not shorter than the run ({total_steps} steps): the learning rate rises all run "
+        f"long, ends at {reached:.0%} of --lr {o.lr:g} and never decays; lower --warmup (open_clip's 10000 suits "
+        "long runs)"
+    )
+
+
 def schedule_for(o: OptimSettings, *, total_steps: int, steps_per_epoch: int | None = None) -> Schedule:
     """The schedule the flags ask for, over ``total_steps`` optimizer steps. --epochs-cooldown is converted
     with ``steps_per_epoch`` (open_clip: batches per epoch // accum-freq); without it, the run's epochs
@@ -96,7 +149,7 @@ def schedule_for(o: OptimSettings, *, total_steps: int, steps_per_epoch: int | N
                 raise ValueError(
                     "const-cooldown with --max-steps: pass steps_per_epoch to convert --epochs-cooldown"
                 )
-            steps_per_epoch = total_steps // o.epochs
+            steps_per_epoch = total_steps // (o.epochs or 1)
         cooldown = steps_per_epoch * (o.epochs_cooldown or 0)
     return Schedule(
         o.lr_scheduler, warmup=o.warmup, total=total_steps, cooldown=cooldown, power=o.lr_cooldown_power,

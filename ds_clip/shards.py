@@ -14,16 +14,17 @@ skipped and reported per reason. Bad arguments: one line on stderr, exit status 
 from __future__ import annotations
 
 import argparse
-import csv
 import io
 import json
 import os
 import sys
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from PIL import Image
 
+from ds_clip.config import Parser
 from ds_clip.errors import UserError
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
@@ -88,38 +89,34 @@ def _folder_samples(folder: str) -> Iterator[Sample | Skip]:
 
 
 def from_csv(path: str, img_key: str, caption_key: str, separator: str) -> Iterator[Sample | Skip]:
-    """Rows of a CSV/TSV file; relative image paths are tried from the working directory, then the file's."""
+    """Rows of a CSV/TSV file, read by the reader training and evaluation use (ds_clip.data.table: the same
+    columns, separator, byte-order mark and refusal of a row with more or fewer fields than the header);
+    relative image paths are tried from the working directory, then the file's folder."""
+    from ds_clip.data.table import read_table
+
     if not os.path.isfile(path):
         raise ShardError(f"--from-csv {path!r} is not a file")
-    with open(path, newline="", encoding="utf-8") as f:
-        columns = next(csv.reader(f, delimiter=separator), [])
-    for flag, key in (("--csv-img-key", img_key), ("--csv-caption-key", caption_key)):
-        if key not in columns:
-            raise ShardError(
-                f"{flag} {key!r} is not a column of {path} (columns: {columns}; --csv-separator is {separator!r})"
-            )
-    return _csv_samples(path, img_key, caption_key, separator)
+    paths, captions = read_table(path, img_key, caption_key, separator, "--from-csv")
+    return _csv_samples(path, paths, captions)
 
 
-def _csv_samples(path: str, img_key: str, caption_key: str, separator: str) -> Iterator[Sample | Skip]:
+def _csv_samples(path: str, paths: list[str], captions: list[str]) -> Iterator[Sample | Skip]:
     base = os.path.dirname(os.path.abspath(path))
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f, delimiter=separator)
-        for line, row in enumerate(reader, start=2):
-            image_path = (row.get(img_key) or "").strip()
-            source = f"{path}:{line}"
-            if not image_path:
-                yield Skip("no image path", source)
-                continue
-            if not os.path.isabs(image_path) and not os.path.isfile(image_path):
-                image_path = os.path.join(base, image_path)
-            if not os.path.isfile(image_path):
-                yield Skip("image file not found", source)
-                continue
-            ext = image_path.rsplit(".", 1)[-1].lower()
-            with open(image_path, "rb") as img:
-                data = img.read()
-            yield _checked(data, ext if ext in IMAGE_EXTS else "jpg", row.get(caption_key), source)
+    for line, (image_path, caption) in enumerate(zip(paths, captions), start=2):
+        image_path = image_path.strip()
+        source = f"{path}:{line}"
+        if not image_path:
+            yield Skip("no image path", source)
+            continue
+        if not os.path.isabs(image_path) and not os.path.isfile(image_path):
+            image_path = os.path.join(base, image_path)
+        if not os.path.isfile(image_path):
+            yield Skip("image file not found", source)
+            continue
+        ext = image_path.rsplit(".", 1)[-1].lower()
+        with open(image_path, "rb") as img:
+            data = img.read()
+        yield _checked(data, ext if ext in IMAGE_EXTS else "jpg", caption, source)
 
 
 def from_synthetic(count: int, seed: int, image_size: int, image_format: str) -> Iterator[Sample | Skip]:
@@ -166,9 +163,9 @@ def write_shards(samples: Iterator[Sample | Skip], output: str, samples_per_shar
     return sizes, skipped
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not usage + message
-        raise ShardError(message)
+class _Parser(Parser):
+    def error(self, message: str) -> typing.NoReturn:  # one line, not usage + message; the closest flag named
+        raise ShardError(self.explain(message))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,7 +231,7 @@ def run(argv: list[str] | None = None) -> str:
     total = sum(sizes.values())
     last = SHARD_PATTERN % (len(sizes) - 1)
     return (
-        f"wrote {total} samples in {len(sizes)} shards to {args.output} "
+        f"wrote {total} samples in {len(sizes)} shard{'s' if len(sizes) > 1 else ''} to {args.output} "
         f"({SHARD_PATTERN % 0}..{last}, sizes.json); skipped {sum(skipped.values())}: {skip_text}"
     )
 
@@ -242,7 +239,7 @@ def run(argv: list[str] | None = None) -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         print(run(argv))
-    except ShardError as exc:
+    except UserError as exc:  # ShardError, or the table reader's DataError
         print(f"ds-clip-shards: error: {exc}", file=sys.stderr)
         return 2
     return 0

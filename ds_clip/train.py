@@ -100,24 +100,37 @@ def _error(exc: BaseException | str, quiet: bool) -> None:
 
 
 def dry_run(s: TrainSettings) -> None:
-    """--dry-run: what can be checked without starting is checked (the flags, the evaluation inputs, the
-    preset, the resolved JSON for this launch's world size, whether DeepSpeed builds --opt on this machine's
+    """--dry-run: what can be checked without starting is checked (the flags, the training data and the
+    evaluation inputs as the start reads them, the preset, the resolved JSON for this launch's world size, whether DeepSpeed builds --opt on this machine's
     accelerator); the settings and the JSON are printed as the run folder would get them. No process group,
     no model, no files written."""
+    from ds_clip.data import build_train_data
     from ds_clip.distributed import accelerator_name  # (deepspeed's accelerator, not a process group)
     from ds_clip.ds_config import resolve_deepspeed
     from ds_clip.engine import resolve_geometry
     from ds_clip.evaluate import check_train_inputs
     from ds_clip.presets import precision_mapping_text
+    from ds_clip.schedule import RunLength, warmup_warning
+    from ds_clip.trainer import data_section
 
     check_train_inputs(s)  # the evaluation inputs are read as the start would read them
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     geometry = resolve_geometry(s, world_size)
     ds = resolve_deepspeed(s, world_size, accelerator=accelerator_name())
     ds.refuse_blocked()
+    # The training data too, by the builder the start calls (rank 0's part): its columns, separator, image paths,
+    # rows or shards for this geometry; its steps per epoch give the run's length.
+    data = build_train_data(
+        data_section(s.data, image_px=64), preprocess=_unused, tokenizer=_unused, rank=0, geometry=geometry
+    )
+    length = RunLength.of(s.optim, data.steps_per_epoch)
     print(f"# settings ({s.logging.logs}/{s.logging.name}/settings.json)")
     print(json.dumps(settings_to_dict(s), indent=2))
     print(f"# batch: {geometry.describe()}")
+    print(f"# length: {length.describe()}")
+    warning = warmup_warning(s.optim, length.total_steps)
+    if warning:
+        print(f"# warning: {warning}")
     if s.optim.global_batch_size is not None:
         print(f"# k on other world sizes (--batch-size {geometry.micro_batch_size}): {_k_table(s)}")
     print(f"# --precision: DeepSpeed {s.dist.precision} ({precision_mapping_text()})")
@@ -127,6 +140,11 @@ def dry_run(s: TrainSettings) -> None:
     print(ds.json_text)
     _print_published(s)
     print("# dry run: the flags are good; nothing was started", flush=True)
+
+
+def _unused(x):
+    """The transform and tokenizer of the dry run's data: it reads no image and tokenizes no caption."""
+    return x
 
 
 def _k_table(s: TrainSettings) -> str:

@@ -42,6 +42,7 @@ from ds_clip.model import ModelBundle, check_tokenizer_fits
 from ds_clip.model_card import COMMAND_FILE, launch_command
 from ds_clip.preemption import StopRequest
 from ds_clip.presets import precision_mapping_text
+from ds_clip.schedule import RunLength, warmup_warning
 from ds_clip.step import StepResult, cached_step, micro_batch_seed
 from ds_clip.step_checks import UntrainedOutputError
 from ds_clip.versions import versions_line
@@ -113,12 +114,13 @@ class Trainer:
     None in a normal run: ``faults.install`` sets it at start when DS_CLIP_INJECT_FAULT is set."""
 
     def __init__(self, s: TrainSettings) -> None:
-        # Before any process group: an unusable output folder is a one-line error, not a crash at save time.
-        checkpoint.check_writable(Path(s.logging.logs))
-        # Every evaluation input too: a bad one is a one-line error now, not a failure after the last step.
-        evaluate.check_train_inputs(s)
         self.s = s
         self.info = info = init_distributed(timeout_s=s.dist.dist_timeout)
+        # Before anything is built: an unusable output folder is a one-line error, not a crash at save time, and
+        # so is a bad evaluation input, not a failure after the last step. Each rank reads them on its own host;
+        # the ranks agree on what they found, so it reads once per job (distributed.agreed).
+        distributed.agreed(lambda: checkpoint.check_writable(Path(s.logging.logs)))
+        distributed.agreed(lambda: evaluate.check_train_inputs(s))
         # Resolved once, here, and handed down: the batch geometry and the DeepSpeed side of the run.
         self.geometry, self.ds = geometry, ds = resolve_run(s, info.world_size)
         ds.refuse_blocked()  # what this machine cannot run (fp16 on a CPU without it...): before building anything
@@ -140,15 +142,20 @@ class Trainer:
         checkpoint.check_output_space(
             run_dir, sum(p.numel() for p in bundle.model.parameters()), s.dist.precision
         )
-        self.data = build_train_data(
-            _data_section(s.data, _image_px(bundle)),
-            preprocess=bundle.preprocess_train,
-            tokenizer=bundle.tokenizer,
-            rank=info.rank,
-            geometry=geometry,
+        # The training data's checks (columns, separator, image paths, rows or shards for this geometry), agreed
+        # on by the ranks as the checks above.
+        self.data = distributed.agreed(
+            lambda: build_train_data(
+                data_section(s.data, _image_px(bundle)),
+                preprocess=bundle.preprocess_train,
+                tokenizer=bundle.tokenizer,
+                rank=info.rank,
+                geometry=geometry,
+            )
         )
         steps_per_epoch = self.data.steps_per_epoch
-        self.total_steps = s.optim.max_steps or s.optim.epochs * steps_per_epoch
+        self.length = RunLength.of(s.optim, steps_per_epoch)
+        self.total_steps = self.length.total_steps
         built = build_engine(
             bundle, geometry, ds, model=s.model, optim=s.optim, loss=s.loss, seed=s.data.seed, rank=info.rank,
             total_steps=self.total_steps, steps_per_epoch=steps_per_epoch,
@@ -221,9 +228,11 @@ class Trainer:
             else ""
         )
         logger.info(
-            "%s%s; %d steps per epoch, %d steps in total; run folder %s",
-            self.geometry.describe(), derived, self.data.steps_per_epoch, self.total_steps, self.run_dir,
-        )  # fmt: skip
+            "%s%s; %s; run folder %s", self.geometry.describe(), derived, self.length.describe(), self.run_dir
+        )
+        warning = warmup_warning(self.s.optim, self.total_steps)
+        if warning:
+            logger.warning("%s", warning)
         if self.ema is not None:
             logger.info("%s", self.ema.describe())
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
@@ -288,10 +297,8 @@ class Trainer:
         return result
 
     def _log(self, step: int, epoch: int, writer: MetricsWriter | None) -> None:
-        # A collective (every rank calls it): bad samples skipped by the loaders of all ranks.
-        skipped = distributed.all_reduce_sum(torch.tensor(float(sum(self.data.skip_counts.values()))))
         row = self.meter.row(
-            step=step, epoch=epoch, lr=self.engine.get_lr()[0], skipped_samples=int(skipped),
+            step=step, epoch=epoch, lr=self.engine.get_lr()[0], skipped_samples=self._skipped_samples(),
             skipped_steps=self.skips.total,
         )  # fmt: skip
         if writer is not None:
@@ -354,12 +361,18 @@ class Trainer:
             if self.remote_sync is not None:
                 self.remote_sync.close()  # the last sync: the final checkpoint and metrics go up too
         summary = self._summary(step)
+        bad_samples = self._skipped_samples()  # a collective: every rank gets here
         if info.is_main:
             logger.info(
-                "done: %d steps, %d samples, %d skipped, final loss %.4f, run folder %s",
-                step, summary.samples_seen, summary.skipped_steps, summary.final_loss, self.run_dir,
+                "done: %d steps, %d samples, %d skipped steps (non-finite updates), %d skipped samples (bad data), "
+                "final loss %.4f, run folder %s",
+                step, summary.samples_seen, summary.skipped_steps, bad_samples, summary.final_loss, self.run_dir,
             )  # fmt: skip
         return summary
+
+    def _skipped_samples(self) -> int:
+        """Bad samples the loaders of all ranks skipped so far (a collective: every rank calls it)."""
+        return int(distributed.all_reduce_sum(torch.tensor(float(sum(self.data.skip_counts.values())))))
 
     def _stop(self, step: int, stop: StopRequest) -> TrainSummary:
         """Every rank: save ``step`` and end the run (a signal, or the launcher gone; docs/faults.md)."""
@@ -399,7 +412,7 @@ def _image_px(bundle: ModelBundle) -> int:
     return image_size if isinstance(image_size, int) else image_size[0]  # open_clip allows (h, w)
 
 
-def _data_section(d: DataSettings, image_px: int) -> DataSettings:
+def data_section(d: DataSettings, image_px: int) -> DataSettings:
     """The data section with the defaults only the model and the data type decide."""
     synthetic = d.dataset_type == "synthetic"
     return dataclasses.replace(

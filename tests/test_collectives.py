@@ -6,8 +6,8 @@ with device type cpu"; gloo accepts it, so CPU tests alone never show it. These 
   ``torch.distributed.nn`` / ``deepspeed.comm`` collective or open_clip's gathers (source scan);
 - the helpers: values, a CPU tensor in -> a CPU tensor out, a device tensor stays on the device, the
   with-grad gather's backward equals ``torch.distributed.nn.all_gather``'s, on 2 gloo ranks;
-- the guard (tests/collective_guard.py): it flags the three bugs of the issue, re-created verbatim from
-  the code before the fix, and flags nothing in the helpers;
+- the guard (tests/collective_guard.py): it flags three bugs an earlier version had (CPU tensors handed to
+  collectives), re-created verbatim from that code, and flags nothing in the helpers;
 - the real trainer under the real launcher (2 ranks, logging every step, evaluation with zero-shot, a
   checkpoint and --resume) issues no collective the guard flags.
 (The dry run of scripts/gpu_check.sh is tested in tests/test_gpu_check.py.)
@@ -334,9 +334,9 @@ def _check_loss_gathers(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_helpers_on_two_ranks_and_guard_catches_the_old_bugs(tmp_path):
     """On 2 gloo ranks with the guard on: every helper, and every loss variant's gathers (forward and
-    backward), are right and flagged nowhere; the code before the
-    fix is flagged at each of the issue's three bugs (trainer's log-line all-reduce of a CPU tensor through
-    the old all_reduce_mean, evaluation's CPU gathers and CPU max, checkpoint's own collectives)."""
+    backward), are right and flagged nowhere; the earlier code is flagged at each of its three bugs
+    (trainer's log-line all-reduce of a CPU tensor through the old all_reduce_mean, evaluation's CPU gathers
+    and CPU max, checkpoint's own collectives)."""
     import torch.multiprocessing as mp
 
     from ds_clip.distributed import _free_port
@@ -380,7 +380,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def guarded_train_commands(model: str, logs: Path, report: Path) -> list[list[str]]:
-    """Train 4 steps (log every step, evaluate with zero-shot at step 2 and 4, save at step 2), then
+    """Train 4 steps (log every step, evaluate at step 2 and 4, zero-shot at the end, save at step 2), then
     --resume latest for 2 more, both under `deepspeed --num_gpus 2` with the guard on every rank."""
     classes = logs / "classes.txt"
     classes.write_text("circle\nsquare\ntriangle\n")

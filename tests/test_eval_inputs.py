@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import tarfile
 from pathlib import Path
 
@@ -162,6 +163,23 @@ def test_class_folder_zeroshot_known_answer(tmp_path):
     }  # no top-5: 3 classes
 
 
+def test_an_undecodable_class_image_is_skipped_and_counted_not_the_whole_zeroshot_result(tmp_path, caplog):
+    """One undecodable image in a --zeroshot-folder: the start-up check passes, the evaluation classifies the
+    other images and says in one line how many it skipped (as a bad --val-data sample or shard sample is)."""
+    root = _class_tree(tmp_path / "colors")
+    (root / "green" / "0.png").write_bytes(b"\xff\xd8 not a jpeg")
+    ev.check_zeroshot_folder(str(root), None, "simple")
+    _, preprocess, tokenizer, forward = _color_model()
+    task = ev.folder_task(str(root), None, "simple")
+    with caplog.at_level(logging.WARNING, logger="ds_clip"):
+        m = ev.classify_folders(
+            forward, [task], preprocess=preprocess, tokenizer=tokenizer, batch_size=4, device="cpu"
+        )
+    assert m == {"zeroshot-folder-top1": pytest.approx(4 / 5), "zeroshot-folder-samples": 5.0}
+    said = [r.getMessage() for r in caplog.records if "cannot be read" in r.getMessage()]
+    assert len(said) == 1 and "skipped 1 image(s)" in said[0] and "green/0.png" in said[0], said
+
+
 def test_class_names_from_a_json_map_and_templates_from_a_file(tmp_path):
     root = tmp_path / "tree"
     for f in ("n01", "n02_x"):
@@ -180,7 +198,9 @@ def test_class_names_from_a_json_map_and_templates_from_a_file(tmp_path):
     with pytest.raises(ev.EvalError, match="--zeroshot-templates"):
         ev.load_templates(str(templates))
     (root / "n01" / "a.png").write_bytes(b"not an image")
-    with pytest.raises(ev.EvalError, match="--zeroshot-folder .*cannot decode its first image"):
+    ev.check_zeroshot_folder(str(root), None, "openai")  # one bad image: skipped and counted when evaluated
+    (root / "n02_x" / "a.png").write_bytes(b"not an image either")
+    with pytest.raises(ev.EvalError, match="--zeroshot-folder .*none of its first 2 images decodes"):
         ev.check_zeroshot_folder(str(root), None, "openai")
 
 
@@ -242,6 +262,42 @@ def test_ds_clip_eval_on_a_csv_and_class_folders(tmp_path, capsys):
     assert ev.main([str(model)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nothing to evaluate" in err[0]
+
+
+@pytest.mark.slow
+def test_ds_clip_eval_reads_any_table_with_dataset_type_csv_and_skips_a_bad_class_image(tmp_path, capsys):
+    """A table not named .csv/.tsv with --dataset-type csv (the flag the refusal of such a file names), saved
+    with a byte-order mark; a class folder holding an undecodable image: metrics, exit 0, and the evaluation
+    raises no "requires_grad=True to a scalar" warning (it runs under no_grad)."""
+    import warnings
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "open_clip_config.json").write_text(json.dumps({"model_cfg": TINY, "preprocess_cfg": {}}))
+    rows = [(str(_png(tmp_path / "img" / f"{i}.png", COLORS["red"])), f"a red circle {i}") for i in range(5)]
+    table = tmp_path / "val.txt"
+    table.write_text("filepath\ttitle\n" + "".join(f"{p}\t{c}\n" for p, c in rows), encoding="utf-8-sig")
+    root = _class_tree(tmp_path / "colors")
+    (root / "blue" / "1.png").write_bytes(b"not a png")
+    out = tmp_path / "m.json"
+    argv = [
+        str(model),
+        "--val-data",
+        str(table),
+        "--zeroshot-folder",
+        str(root),
+        "--zeroshot-templates",
+        "simple",
+    ]
+    assert ev.main(argv) == 2  # read as shards without --dataset-type csv, and refused saying so
+    assert "--dataset-type csv" in capsys.readouterr().err
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = ev.main([*argv, "--dataset-type", "csv", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    m = json.loads(out.read_text())
+    assert m["val_samples"] == 5 and m["zeroshot-folder-samples"] == 5
+    assert not [w for w in caught if "requires_grad" in str(w.message)], [str(w.message) for w in caught]
 
 
 @pytest.mark.e2e

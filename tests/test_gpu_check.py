@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh and what it runs, without a GPU (issues 13 and 22).
+"""scripts/gpu_check.sh and what it runs, without a GPU.
 
 - ``--dry-run`` lists every command of the check: the offline install from .whl/ into a folder of its own
   (``pip install --no-index --no-deps --target``), then each part under its own time limit; ``--part``

@@ -37,7 +37,7 @@ from ds_clip.config.fields import (
 )
 from ds_clip.config.flags import Flag, flag_named, flags, settings_to_dict
 from ds_clip.config.model_checks import aug_cfg_dict, check_model_flags
-from ds_clip.config.parser import add_flags, build_parser, default_run_name, parse_settings
+from ds_clip.config.parser import Parser, add_flags, build_parser, default_run_name, parse_settings
 from ds_clip.config.sections import (
     CheckpointSettings,
     DataSettings,
@@ -55,6 +55,7 @@ from ds_clip.errors import SettingsError
 
 __all__ = [
     "ANSWERED",
+    "Parser",
     "BUILTIN_MODELS",
     "CheckpointSettings",
     "DATASET_TYPES",

@@ -188,8 +188,8 @@ def imagenet_class_folders(folder: str, flag: str) -> dict[str, int]:
 
 def check_optim(o: OptimSettings) -> None:
     """Batch sizes, the run's length, the optimizer's hyper-parameters, per-tower groups and the LR schedule."""
-    for name in ("batch_size", "epochs"):
-        check_min(name, getattr(o, name), 1)
+    check_min("batch_size", o.batch_size, 1)
+    check_min("epochs", o.epochs, 1, optional=True)
     check_min("accum_freq", o.accum_freq, 1, optional=True)
     check_global_batch(o)
     check_min("max_steps", o.max_steps, 1, optional=True)
@@ -358,8 +358,8 @@ def check_optim_groups_and_schedule(o: OptimSettings) -> None:
         need(o.epochs_cooldown is not None, "--lr-scheduler const-cooldown needs --epochs-cooldown (epochs)")
         check_min("epochs_cooldown", o.epochs_cooldown, 1)
         need(
-            o.max_steps is not None or o.epochs_cooldown <= o.epochs,
-            f"--epochs-cooldown {o.epochs_cooldown} is longer than the run (--epochs {o.epochs})",
+            o.max_steps is not None or o.epochs_cooldown <= (o.epochs or 1),
+            f"--epochs-cooldown {o.epochs_cooldown} is longer than the run (--epochs {o.epochs or 1})",
         )
         check_min("lr_cooldown_power", o.lr_cooldown_power, 0, strict=True)
         need(

@@ -7,7 +7,9 @@ Precedence: command-line flag > recipe (`--recipe`) > DeepSpeed preset (`--ds-co
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
+import sys
 import typing
 from collections.abc import Iterable
 from datetime import datetime
@@ -87,9 +89,36 @@ class _PrintVersions(argparse.Action):
         parser.exit(0)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: the problem, the closest flag to a mistyped one (difflib) and a pointer
+    to --help, instead of the whole usage (some 65 lines for ds-clip-train) before the one line that matters."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        sys.stderr.write(
+            f"{self.prog}: error: {self.explain(message)}; `{self.prog} --help` lists every flag\n"
+        )
+        sys.exit(2)
+
+    def explain(self, message: str) -> str:
+        """``message`` with "(did you mean --x?)" after each unrecognized flag that is close to a known one."""
+        if not message.startswith("unrecognized arguments:"):
+            return message
+        known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        guesses = []  # (what was typed, the closest known flag)
+        for word in message.split(":", 1)[1].split():
+            typed = word.split("=", 1)[0]
+            close = difflib.get_close_matches(typed, known, n=1, cutoff=0.6) if typed.startswith("--") else []
+            guesses += [(typed, close[0])] if close else []
+        if not guesses:
+            return message
+        if len(guesses) == 1:
+            return f"{message} (did you mean {guesses[0][1]}?)"
+        return f"{message} (did you mean {', '.join(f'{k} for {t}' for t, k in guesses)}?)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of `ds-clip-train` / `python -m ds_clip.train`: one flag per settings field."""
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="ds-clip-train",
         description="Train CLIP/SigLIP with DeepSpeed and exact cached-feature gradient accumulation: "
         "one optimizer step = accum-freq micro-batches of batch-size pairs on every rank. "
@@ -125,6 +154,8 @@ def parse_settings(argv: list[str] | None = None) -> TrainSettings:
     values: dict[str, Any] = vars(build_parser().parse_args(argv))
     if values["recipe"]:
         values = _with_recipe(values, _given(argv))
+    if values["epochs"] is None and values["max_steps"] is None:
+        values["epochs"] = 1  # with --max-steps alone, it alone ends the run (ds_clip.schedule.RunLength)
     if values["accum_freq"] is None and values["global_batch_size"] is None:
         values["accum_freq"] = 1  # with --global-batch-size, k is derived at start from the world size
     if values["dataset_type"] in (None, "auto"):  # a .csv/.tsv file is csv, other data shards, none synthetic
@@ -205,11 +236,14 @@ def _with_recipe(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
 
 
 def default_run_name(s: TrainSettings, now: datetime | None = None) -> str:
-    """ "YYYY_mm_dd-HH_MM_SS-model_<model>-m_<m>-k_<k>", with characters unsafe in a folder name replaced."""
+    """ "YYYY_mm_dd-HH_MM_SS-model_<model>-m_<m>-k_<k>" ("-N_<N>" with a global batch: k follows from the world
+    size), with characters unsafe in a folder name replaced. A local-dir: model is named by the last two folders
+    of its path ("local-run7-export"): its last one alone is often a word like "model" or "out"."""
     stamp = (now or datetime.now()).strftime("%Y_%m_%d-%H_%M_%S")
     model = s.model.model
     if model.startswith(LOCAL_DIR_PREFIX):
-        model = Path(model[len(LOCAL_DIR_PREFIX) :]).name or "local"
+        parts = Path(model[len(LOCAL_DIR_PREFIX) :]).expanduser().resolve().parts[1:][-2:]
+        model = "-".join(["local", *parts])
     o = s.optim
     batch = f"k_{o.accum_freq}" if o.global_batch_size is None else f"N_{o.global_batch_size}"
     name = f"{stamp}-model_{model}-m_{o.batch_size}-{batch}"

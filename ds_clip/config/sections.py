@@ -219,10 +219,18 @@ class OptimSettings:
     datacomp-large, datacomp-xlarge, laion400m-vit-b-32, laion400m-vit-b-16, laion400m-vit-l-14) or a JSON
     file of settings by flag name. Flags on the command line override it, except a different
     --global-batch-size (refused: a recipe's N is what it is)."""
-    epochs: int = opt(1, metavar="N", unit="epochs", open_clip="differs: default 32 there")
-    """Passes over the training data; --max-steps, when set, stops earlier."""
+    epochs: int | None = opt(
+        None,
+        metavar="N",
+        unit="epochs",
+        derived=True,
+        default_text="1; with --max-steps alone, as many as its steps take",
+        open_clip="differs: default 32 there",
+    )
+    """Passes over the training data. With --max-steps too, the run stops at whichever limit comes first;
+    --dry-run and the start line say how many steps and epochs that is."""
     max_steps: int | None = opt(None, metavar="STEPS", unit="steps", open_clip="ds_clip only")
-    """Stop after this many optimizer steps; none: run all epochs."""
+    """Stop after this many optimizer steps (or at the end of --epochs, if that comes first)."""
     lr: float = opt(5e-4, metavar="LR", open_clip="differs: default from the model there (5e-4 for ViTs)")
     """Peak learning rate, reached after warmup, then --lr-scheduler (cosine decay to 0 by default); the
     image and text towers' default (--visual-lr, --text-lr)."""
@@ -487,8 +495,10 @@ class LoggingSettings:
     logs: str = opt("./logs", metavar="DIR", aliases=("--log-dir",), open_clip="same; alias --log-dir")
     """Folder holding one sub-folder per run (settings, DeepSpeed JSON, metrics, checkpoints). Under
     torchrun write --log-dir (torchrun claims --logs as a prefix of its --logs-specs)."""
-    name: str | None = opt(None, metavar="NAME", default_text="date-time, model, m, k")
-    """Run folder name under --logs; default "YYYY_mm_dd-HH_MM_SS-model_<model>-m_<m>-k_<k>" (rank 0's)."""
+    name: str | None = opt(None, metavar="NAME", default_text="date-time, model, m, k or N")
+    """Run folder name under --logs; default "YYYY_mm_dd-HH_MM_SS-model_<model>-m_<m>-k_<k>" (rank 0's), with
+    "-N_<N>" in place of "-k_<k>" under --global-batch-size or a recipe that sets it (k then follows from the
+    world size); <model> of local-dir:PATH is "local-" and the last two folder names of PATH."""
     log_every_n_steps: int = opt(10, metavar="STEPS", unit="steps", open_clip="differs: default 100 there")
     """Log loss, learning rate and samples/s every this many optimizer steps."""
     report_to: list[str] = opt(
@@ -546,8 +556,9 @@ class DistSettings:
     dist_timeout: float = opt(1800.0, metavar="SECONDS", unit="seconds", open_clip="ds_clip only")
     """How long a collective waits for the other ranks before this rank fails (a dead rank)."""
     dry_run: bool = opt(False, open_clip="ds_clip only")
-    """Parse and check every flag, resolve the DeepSpeed JSON, print the settings and the JSON, exit: no
-    process group, no model."""
+    """Parse and check every flag, read the training data and the evaluation inputs as the start would, resolve
+    the DeepSpeed JSON, print the settings, the run's length (steps and epochs) and the JSON, exit: no process
+    group, no model."""
     local_rank: int = opt(-1, flag="--local_rank", aliases=("--local-rank",), hidden=True)
     """Appended by the deepspeed launcher (--local_rank=N); not for users, unused otherwise."""
 

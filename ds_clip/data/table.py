@@ -53,7 +53,9 @@ def read_table(
     paths: list[str] = []
     captions: list[str] = []
     try:
-        with open(path, newline="", encoding="utf-8") as f:
+        # utf-8-sig: a spreadsheet's "CSV UTF-8" starts with a byte-order mark, which would otherwise stick to the
+        # first column's name (pandas, which open_clip uses, drops it too).
+        with open(path, newline="", encoding="utf-8-sig") as f:
             reader = csv.DictReader(f, delimiter=sep)
             header = reader.fieldnames
             if not header:

@@ -15,9 +15,9 @@ def agree(error: str | None) -> None:
     here, None if nothing), with the first failing rank's message. One 4-byte all-reduce when all went well;
     the messages travel only after a failure. Without it a rank that failed alone would leave the others
     waiting in the evaluation's next collective until the process-group timeout ended the run."""
-    if not distributed.any_rank(error is not None):
+    messages = distributed.failures(error)
+    if not messages:
         return
-    messages = [(r, m) for r, m in enumerate(distributed.all_gather_object(error)) if m]
     r, message = messages[0]
     raise EvalFailed(message if distributed.world_size() == 1 else f"rank {r}: {message}")
 

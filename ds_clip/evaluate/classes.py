@@ -87,7 +87,8 @@ def folder_classes(folder: str, classnames: str | None = None) -> tuple[list[str
     folders = sorted(p.name for p in root.iterdir() if p.is_dir())
     if len(folders) < 2:
         raise EvalError(
-            f"--zeroshot-folder {folder}: expected one sub-folder of images per class, found {len(folders)}"
+            f"--zeroshot-folder {folder}: expected one sub-folder of images per class, at least two classes "
+            f"(zero-shot chooses among them), found {len(folders)}"
         )
     if classnames is None:
         return folders, [f.replace("_", " ") for f in folders]

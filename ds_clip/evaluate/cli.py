@@ -4,6 +4,7 @@ ds-clip-eval OUT --val-data synthetic --zeroshot-classes classes.json      # an 
 ds-clip-eval ViT-B-32 --pretrained OUT/open_clip_model.safetensors --val-data 'val/{0..3}.tar'
 ds-clip-eval ViT-B-32 --pretrained laion2b_s34b_b79k --val-data ...      # an open_clip tag (docs/pretrained.md)
 ds-clip-eval OUT --val-data val.csv --csv-separator , --zeroshot-folder pets/   # a CSV; your own classes
+ds-clip-eval OUT --val-data val.txt --dataset-type csv                          # a table of another name
 """
 
 from __future__ import annotations
@@ -13,7 +14,15 @@ import json
 import sys
 from pathlib import Path
 
-from ds_clip.config import DataSettings, EvalSectionSettings, SettingsError, add_flags, check_data, check_eval
+from ds_clip.config import (
+    DataSettings,
+    EvalSectionSettings,
+    Parser,
+    SettingsError,
+    add_flags,
+    check_data,
+    check_eval,
+)
 from ds_clip.errors import UserError
 from ds_clip.evaluate.classes import load_zeroshot
 from ds_clip.evaluate.datasets import imagenet_samples
@@ -25,13 +34,13 @@ from ds_clip.evaluate.zeroshot import classify_folders, folder_task, imagenet_ta
 # The flags ds-clip-eval shares with ds-clip-train, each defined once (ds_clip.config's fields).
 SHARED_FLAGS = ("pretrained", "cache_dir", "val_data", "val_num_samples", "batch_size", "zeroshot_classes", "seed",
                 "image_key", "caption_key", "csv_separator", "csv_img_key", "csv_caption_key", "zeroshot_folder",
-                "zeroshot_classnames", "zeroshot_templates", "imagenet_val", "imagenet_v2")  # fmt: skip
+                "zeroshot_classnames", "zeroshot_templates", "imagenet_val", "imagenet_v2", "dataset_type")  # fmt: skip
 _EVAL_FIELDS = ("val_data", "val_num_samples", "zeroshot_classes", "seed", "image_key", "caption_key",
                 "csv_separator", "csv_img_key", "csv_caption_key", "batch_size")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="ds-clip-eval",
         description="Evaluate an exported (or any open_clip) model: val loss, retrieval recall, zero-shot accuracy "
         "(on --val-data, and on class folders: --zeroshot-folder, --imagenet-val, --imagenet-v2).",
@@ -41,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="exported folder (ds-clip-export OUT), local-dir:PATH, hf-hub:ORG/REPO, or an open_clip model name "
         "(with --pretrained TAG|FILE)",
     )
-    add_flags(p, SHARED_FLAGS, batch_size={"default": EVAL_BATCH_SIZE})
+    # --dataset-type csv reads a --val-data table whose name does not end in .csv/.tsv, as in ds-clip-train.
+    add_flags(p, SHARED_FLAGS, batch_size={"default": EVAL_BATCH_SIZE}, dataset_type={"default": "auto"})
     p.add_argument("--out", metavar="JSON", default=None, help="also write the metrics to this file")
     return p
 
@@ -72,7 +82,8 @@ def _check_inputs(args: argparse.Namespace) -> tuple[EvalSettings | None, dict[s
         )
     s = None
     if args.val_data:
-        s = EvalSettings(**{n: getattr(args, n) for n in _EVAL_FIELDS}, table=is_table(args.val_data))
+        table = is_table(args.val_data, args.dataset_type)
+        s = EvalSettings(**{n: getattr(args, n) for n in _EVAL_FIELDS}, table=table)
         check_val_data(s)
     if args.zeroshot_classes:
         load_zeroshot(args.zeroshot_classes)

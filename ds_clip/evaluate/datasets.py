@@ -175,7 +175,21 @@ def _padding(s: EvalSettings, preprocess, tokenizer):
     )
 
 
+def decode_image(path: str):
+    """The RGB image at ``path``, or the reason it cannot be read (a str): a missing or undecodable file is a
+    bad sample, skipped and counted, as in --val-data and the shards."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            return im.convert("RGB")  # forces the full decode: a broken file fails here, not later
+    except Exception as exc:  # noqa: BLE001 - PIL raises many types for bad bytes; all mean "undecodable"
+        return f"{type(exc).__name__}: {exc}"
+
+
 class _ClassImages(torch.utils.data.Dataset):
+    """(image, label, None), or (None, label, "path: why") for an image that cannot be read."""
+
     def __init__(self, samples: list[tuple[str, int]], preprocess) -> None:
         self.samples, self.preprocess = samples, preprocess
 
@@ -183,11 +197,21 @@ class _ClassImages(torch.utils.data.Dataset):
         return len(self.samples)
 
     def __getitem__(self, i: int):
-        from PIL import Image
-
         path, label = self.samples[i]
-        with Image.open(path) as im:
-            return self.preprocess(im.convert("RGB")), label
+        image = decode_image(path)
+        if isinstance(image, str):
+            return None, label, f"{path}: {image}"
+        return self.preprocess(image), label, None
+
+
+def collate_class_images(items: list) -> tuple[torch.Tensor | None, torch.Tensor, list[str]]:
+    """(images, labels) of the readable items of a batch (None, empty when none is), and why the others were
+    skipped."""
+    good = [(image, label) for image, label, _ in items if image is not None]
+    skipped = [why for _, _, why in items if why is not None]
+    if not good:
+        return None, torch.zeros(0, dtype=torch.long), skipped
+    return torch.stack([g[0] for g in good]), torch.tensor([g[1] for g in good]), skipped
 
 
 def class_folder_samples(folder: str, labels: dict[str, int]) -> list[tuple[str, int]]:

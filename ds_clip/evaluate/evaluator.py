@@ -3,6 +3,7 @@ costs the evaluation, not the run."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -20,9 +21,9 @@ logger = logging.getLogger("ds_clip")
 
 class Evaluator:
     """When the trainer evaluates, and what: owns ``--val-every-n-steps`` and ``--val-frequency`` (epochs) for
-    the --val-data evaluation, ``--zeroshot-frequency`` (epochs) for the zero-shot ones (--imagenet-val,
-    --imagenet-v2, --zeroshot-folder, and --zeroshot-classes, which is computed with --val-data: its cadence
-    runs that too), and the final evaluation of everything. Every rank holds one and calls every method (each
+    the --val-data evaluation, ``--zeroshot-frequency`` (epochs) for every zero-shot one (--imagenet-val,
+    --imagenet-v2, --zeroshot-folder, and --zeroshot-classes, which classifies the --val-data samples: its
+    cadence runs that pass too, reporting only the zero-shot metrics), and the final evaluation of everything. Every rank holds one and calls every method (each
     rank embeds its slice: a collective); rank 0 reports all metrics of a step in one row.
 
     An evaluation that fails (``EvalFailed``: the ranks agreed that one of them could not read its samples or
@@ -77,8 +78,12 @@ class Evaluator:
 
     def _metrics(self, step: int, *, val: bool, zeroshot: bool) -> dict[str, float]:
         metrics: dict[str, float] = {}
-        if self.settings is not None and (val or (zeroshot and self.settings.zeroshot_classes)):
-            metrics.update(self._guarded(step, "--val-data", self._val))
+        s = self.settings
+        if s is not None and (val or (zeroshot and s.zeroshot_classes)):
+            # --zeroshot-classes labels the --val-data samples: its classifier runs on the zero-shot cadence (with
+            # the pass over --val-data it needs), as every zero-shot source does, never on the val cadence alone.
+            got = self._guarded(step, "--val-data", lambda st: self._val(st, zeroshot=zeroshot))
+            metrics.update(got if val else {k: v for k, v in got.items() if k.startswith("zeroshot_")})
         if self.zeroshot_tasks and zeroshot:
             metrics.update(self._guarded(step, "zero-shot", self._zeroshot))
         return metrics
@@ -95,11 +100,12 @@ class Evaluator:
                 )
             return {}
 
-    def _val(self, step: int) -> dict[str, float]:
+    def _val(self, step: int, *, zeroshot: bool) -> dict[str, float]:
         assert self.settings is not None
         hook = self.before_read
+        settings = self.settings if zeroshot else dataclasses.replace(self.settings, zeroshot_classes=None)
         return run_on_engine(
-            self.engine, self.settings, preprocess=self.preprocess, tokenizer=self.tokenizer,
+            self.engine, settings, preprocess=self.preprocess, tokenizer=self.tokenizer,
             before_read=None if hook is None else (lambda: hook(step, distributed.rank())),
         )  # fmt: skip
 

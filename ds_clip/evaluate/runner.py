@@ -37,6 +37,7 @@ def _gather_in_order(
     return image_f[order], text_f[order], label_all[order]
 
 
+@torch.no_grad()  # no autograd graph (and no "requires_grad=True to a scalar" warning on the logit scale)
 def evaluate(
     forward: Forward,
     s: EvalSettings,

@@ -4,6 +4,7 @@ ImageNet zero-shot over class folders."""
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,10 +15,17 @@ from ds_clip import distributed
 from ds_clip.distributed import all_reduce_sum, to_device
 from ds_clip.evaluate.agreement import agree, describe
 from ds_clip.evaluate.classes import folder_classes, load_templates
-from ds_clip.evaluate.datasets import _ClassImages, class_folder_samples, imagenet_samples
+from ds_clip.evaluate.datasets import (
+    _ClassImages,
+    class_folder_samples,
+    collate_class_images,
+    imagenet_samples,
+)
 from ds_clip.evaluate.metrics import FOLDER_METRIC, IMAGENET_METRICS
 from ds_clip.evaluate.settings import Forward
 from ds_clip.stop_signals import ignore_in_worker
+
+logger = logging.getLogger("ds_clip")
 
 # Classes whose 80 prompts share one text forward (open_clip's build_zero_shot_classifier batches 10).
 _CLASSES_PER_BATCH = 10
@@ -166,20 +174,28 @@ def _classify(
         _ClassImages(samples[rank::world], preprocess),
         batch_size=batch_size,
         num_workers=workers,
+        collate_fn=collate_class_images,
         worker_init_fn=ignore_in_worker,  # a stop signal is the rank's to handle (stop_signals)
     )
     # ZeRO-3 gathers parameters inside forward: every rank runs the largest rank's number of forwards.
     n_forward = -(-len(samples[0::world]) // batch_size)
     k = min(5, len(task.classnames))
-    counts = torch.zeros(3, dtype=torch.float64)  # top-1 hits, top-k hits, images
+    counts = torch.zeros(4, dtype=torch.float64)  # top-1 hits, top-k hits, images, images skipped
+    first_skip = ""
     batches = iter(loader)
     for _ in range(n_forward):
         batch = None
         if error is None:
             try:
                 batch = next(batches, None)
-            except Exception as exc:  # noqa: BLE001 - an unreadable image: agreed on after the loop
+            except Exception as exc:  # noqa: BLE001 - a listing or loader failure: agreed on after the loop
                 error = f"{task.flag} {task.folder}: {describe(exc)}"
+        if (
+            batch is not None
+        ):  # an image that cannot be read is skipped and counted, as a bad --val-data sample
+            counts[3] += len(batch[2])
+            first_skip = first_skip or (batch[2][0] if batch[2] else "")
+            batch = batch if batch[0] is not None else None
         image = batch[0] if batch is not None else dummy
         try:
             feats = forward(image=image.to(device), text=dummy_text)["image_features"].float()
@@ -192,11 +208,21 @@ def _classify(
         y = batch[1].to(logits.device)
         topk = logits.topk(k, dim=1).indices
         counts += torch.tensor(
-            [float((topk[:, 0] == y).sum()), float((topk == y.unsqueeze(1)).any(1).sum()), float(len(y))],
+            [
+                float((topk[:, 0] == y).sum()),
+                float((topk == y.unsqueeze(1)).any(1).sum()),
+                float(len(y)),
+                0.0,
+            ],
             dtype=torch.float64,
         )
     agree(error)
     total = all_reduce_sum(to_device(counts)).cpu()
+    if total[3] and rank == 0:  # the count of every rank, in one line (with rank 0's first one, if any)
+        logger.warning(
+            "%s %s: skipped %d image(s) that cannot be read; the %d others are classified%s", task.flag,
+            task.folder, int(total[3]), int(total[2]), f" (first: {first_skip})" if first_skip else "",
+        )  # fmt: skip
     out = {f"{task.metric}-top1": float(total[0] / max(total[2], 1))}
     if k == 5:  # with fewer classes every image is in the top 5
         out[f"{task.metric}-top5"] = float(total[1] / max(total[2], 1))
