@@ -41,7 +41,7 @@ MACHINE_PATHS = re.compile(
         ]
     )
 )  # fmt: skip
-# Committed logs and benchmark records (docs/bench/) name no temporary folder at all: write <tmp> for one.
+# Committed logs and benchmark records (benchmarks/results/) name no temporary folder at all: write <tmp> for one.
 LOGGED_TMP = re.compile(_TMP)
 # This file spells the phrases out in pieces in order to forbid them.
 EXEMPT = {"tests/test_repo_words.py"}
@@ -67,7 +67,7 @@ def test_no_words_about_how_the_project_was_made():
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
             continue
-        logged = rel.startswith("docs/bench/")
+        logged = rel.startswith("benchmarks/results/")
         for n, line in enumerate(text.splitlines(), 1):
             if PROCESS_WORDS.search(line):
                 hits.append(f"{rel}:{n}: {line.strip()[:120]}")
