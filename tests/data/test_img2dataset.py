@@ -113,7 +113,8 @@ def test_counts_are_read_in_order_sizes_json_then_stats_then_a_scan(tmp_path, ca
 def test_ds_clip_train_trains_img2dataset_shards_from_s3_under_the_launcher(model_dir, tmp_path, s3, bucket):  # noqa: F811
     """`deepspeed --num_gpus 2 --module ds_clip.train --train-data s3://.../{00000..00002}.tar` without
     --train-num-samples: the counts come from the stats files in the bucket (the log line says so), and the
-    run trains an epoch of 23 // (W k m = 8) = 2 steps."""
+    run trains an epoch of 23 // (W k m = 8) = 2 steps, with the default --decode fast (uint8 micro-batches
+    normalised by the step)."""
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "ds_clip.train"]
     args = [
         "--model", model_dir, "--batch-size", "2", "--accum-freq", "2", "--epochs", "1", "--workers", "1",
@@ -128,3 +129,4 @@ def test_ds_clip_train_trains_img2dataset_shards_from_s3_under_the_launcher(mode
         out[-4000:]
     )
     assert "step 2/2" in out, out[-4000:]
+    assert "decode: fast" in out  # open_clip's train transform: uint8 micro-batches, normalised in the step
