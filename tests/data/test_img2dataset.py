@@ -54,6 +54,8 @@ def bucket(s3):  # noqa: F811 - the fixture imported above
     fs.mkdir(BUCKET)
     for name in sorted(os.listdir(FIXTURE)):
         fs.put(str(FIXTURE / name), f"{BUCKET}/i2d/{name}")
+        if name.endswith(".tar"):
+            fs.put(str(FIXTURE / name), f"{BUCKET}/bare/{name}")  # the tars alone: no size file of any kind
     return f"s3://{BUCKET}/i2d/{PATTERN}"
 
 
@@ -81,6 +83,14 @@ def test_img2dataset_counts_come_from_stats_files_on_disk_and_on_s3_and_every_sa
         ranks = [build(pattern, m=1, k=1, world_size=2, rank=r) for r in (0, 1)]
         both = [c for d in ranks for step in captions(d, 0) for c in step]
         assert len(both) == len(set(both)) == 22 and set(both) <= set(expected), pattern
+
+
+def test_remote_shards_without_size_files_are_scanned_whole_with_a_warning(caplog, bucket):
+    with caplog.at_level(logging.INFO, logger="ds_clip.data"):
+        data = build(bucket.replace("/i2d/", "/bare/"), m=2, k=1)
+    assert data.sizes == COUNTS
+    assert _counted_line(caplog).endswith("counts of 3 from a scan of the shard (no size file)")
+    assert "counting the samples of 3 remote shards by reading them whole" in caplog.text
 
 
 def test_counts_are_read_in_order_sizes_json_then_stats_then_a_scan(tmp_path, caplog):

@@ -152,6 +152,16 @@ def shard_sizes(urls: list[str], *, threads: int = FETCH_THREADS) -> tuple[list[
             sizes[i] = count
         from_stats = sum(s is not None for s in sizes) - from_table
         scan = [i for i, s in enumerate(sizes) if s is None]
+        remote = sum(not _is_local(urls[i]) for i in scan)
+        if remote:
+            logger.warning(
+                "counting the samples of %d remote shards by reading them whole (no %s entry or %s file beside "
+                "them): write a %s (ds-clip-shards' format) to start without that read",
+                remote,
+                SIZES_FILE,
+                f"NNNNN{STATS_SUFFIX}",
+                SIZES_FILE,
+            )
         for i, count in zip(scan, pool.map(lambda i: count_samples(urls[i]), scan), strict=True):
             sizes[i] = count
     parts = [
