@@ -170,12 +170,13 @@ def psnr_fast_vs_exact(folder: str, preprocess, count: int) -> dict:
         if len(values) + equal >= count:
             break
     values.sort()
+    differ = bool(values)  # all bit-equal: no PSNR to state (None in the JSON)
     return {
         "images": len(values) + equal,
         "bit_equal": equal,
-        "psnr_db_mean": sum(values) / len(values),
-        "psnr_db_median": values[len(values) // 2],
-        "psnr_db_min": values[0],
+        "psnr_db_mean": sum(values) / len(values) if differ else None,
+        "psnr_db_median": values[len(values) // 2] if differ else None,
+        "psnr_db_min": values[0] if differ else None,
     }
 
 
