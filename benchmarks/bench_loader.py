@@ -18,6 +18,18 @@ dict, ``KeyError: 'fname'``), so the benchmark hands its pipeline webdataset's t
 ``eof_value=None`` (no marker), which changes nothing else.
 
     python benchmarks/bench_loader.py --open-clip --sizes 224 --workers 1 2 --json benchmarks/results/raw/loader_cpu.json
+
+Web-like data (``--data web``): ``--web-samples`` images as img2dataset keeps them from the web, generated here
+(ds_clip_harness.webimages: JPEGs of 300-1500 px on the long side, quality 85-95, seven aspect ratios, 10 %
+PNG, 10 % grayscale; natural-looking: smooth colour fields, hard-edged shapes, sensor noise), written as
+webdataset shards of 256 with ds_clip.shards. ds_clip runs once per ``--decode`` mode (fast: the crop drawn
+from the JPEG header and a reduced-size decode, uint8; exact: open_clip's decode and transform); open_clip's
+``get_wds_dataset`` reads the same shards with the same transform. ``--workers all`` is os.cpu_count().
+With web data it also reports the PSNR of the fast decode against the exact one (same seeds, same crops;
+8-bit pixel units, over the first ``--psnr-samples`` images, PNG and unreduced JPEGs bit-equal).
+
+    python benchmarks/bench_loader.py --data web --open-clip --sizes 224 --decode fast exact --workers 1 all \
+        --seconds 10 --json benchmarks/results/raw/loader_web.json
 """
 
 from __future__ import annotations
@@ -103,52 +115,159 @@ def measure_open_clip(pattern: str, workers: int, preprocess, tokenizer, seconds
     return samples / (time.perf_counter() - start)
 
 
+def write_web_shards(folder: str, count: int) -> None:
+    """`count` web-like pairs (image i drawn from seed i: the same on every run) as shards of 256."""
+    from multiprocessing import Pool
+
+    from ds_clip.shards import Sample, write_shards
+
+    os.makedirs(folder, exist_ok=True)
+    with Pool(os.cpu_count()) as pool:
+        images = pool.map(_web_image, range(count), chunksize=8)
+    samples = (
+        Sample(image=data, ext=ext, caption=f"a web image number {i}") for i, (data, ext) in enumerate(images)
+    )
+    write_shards(samples, folder, 256)
+
+
+def _web_image(i: int) -> tuple[bytes, str]:
+    import random
+
+    from ds_clip_harness.webimages import web_image
+
+    return web_image(random.Random(i))
+
+
+def psnr_fast_vs_exact(folder: str, preprocess, count: int) -> dict:
+    """PSNR (8-bit units) of the fast decode against the exact one on the first `count` images of the shards."""
+    import io
+    import math
+
+    from PIL import Image
+
+    from ds_clip.data.augment import SeededTransform
+    from ds_clip.data.decode import FastCrop
+    from ds_clip.data.wds import SkipCounter, iter_shard
+    from ds_clip.step import normalize_images
+
+    fast = FastCrop.of(preprocess)
+    exact, quick = SeededTransform(preprocess, 0), SeededTransform(fast, 0)
+    std = torch.tensor(fast.std)[:, None, None]
+    values, equal = [], 0
+    for name in sorted(f for f in os.listdir(folder) if f.endswith(".tar")):
+        for raw in iter_shard(os.path.join(folder, name), SkipCounter()):
+            data = raw.data.get("jpg", raw.data.get("png"))
+            with Image.open(io.BytesIO(data)) as im:
+                want = exact(im.convert("RGB"), epoch=0, sample=raw.key)
+            got = normalize_images(quick(data, epoch=0, sample=raw.key)[None], fast.mean, fast.std)[0]
+            mse = (((got - want) * std * 255) ** 2).mean().item()
+            if mse == 0:
+                equal += 1
+            else:
+                values.append(10 * math.log10(255**2 / mse))
+            if len(values) + equal >= count:
+                break
+        if len(values) + equal >= count:
+            break
+    values.sort()
+    differ = bool(values)  # all bit-equal: no PSNR to state (None in the JSON)
+    return {
+        "images": len(values) + equal,
+        "bit_equal": equal,
+        "psnr_db_mean": sum(values) / len(values) if differ else None,
+        "psnr_db_median": values[len(values) // 2] if differ else None,
+        "psnr_db_min": values[0] if differ else None,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--seconds", type=float, default=5.0, help="measurement per configuration")
-    parser.add_argument("--samples", type=int, default=3072, help="pairs in the generated shards")
+    parser.add_argument("--samples", type=int, default=3072, help="pairs in the generated synthetic shards")
     parser.add_argument("--sizes", type=int, nargs="+", default=[224, 64], help="image sides in px")
-    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="DataLoader workers")
+    parser.add_argument(
+        "--workers", nargs="+", default=["0", "1", "2"], help="DataLoader workers (numbers, or all)"
+    )
     parser.add_argument("--open-clip", action="store_true", help="also open_clip_train's get_wds_dataset")
+    parser.add_argument(
+        "--data", nargs="+", choices=("synthetic", "web"), default=["synthetic"], help="data sets (see above)"
+    )
+    parser.add_argument(
+        "--web-samples", type=int, default=2048, help="pairs in the generated web-like shards"
+    )
+    parser.add_argument(
+        "--psnr-samples", type=int, default=200, help="web images in the PSNR of fast vs exact"
+    )
+    parser.add_argument(
+        "--decode", nargs="+", choices=("fast", "exact"), default=["fast"], help="ds_clip's --decode modes"
+    )
     parser.add_argument("--json", default=None, help="write the rows and the machine here")
     args = parser.parse_args(argv)
+    worker_counts = [(os.cpu_count() or 1) if w == "all" else int(w) for w in args.workers]
     results: list[dict] = []
+    extra: dict = {}
     torch.set_num_threads(1)  # one process = one core, as in a DataLoader worker
     tokenizer = open_clip.get_tokenizer("ViT-B-32")  # SimpleTokenizer: its BPE file ships with open_clip
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        web_dir = os.path.join(tmp, "web")
+        if "web" in args.data:
+            start = time.perf_counter()
+            write_web_shards(web_dir, args.web_samples)
+            print(
+                f"wrote {args.web_samples} web-like pairs in {time.perf_counter() - start:.0f} s",
+                file=sys.stderr,
+            )
         for size in args.sizes:
             preprocess = open_clip.image_transform(size, is_train=True)
             shard_dir = os.path.join(tmp, f"shards{size}")
-            shards_main(
-                ["--synthetic", str(args.samples), "--image-size", str(size), "--output", shard_dir]
-                + ["--samples-per-shard", "256"]
-            )
-            sources = {
-                "synthetic": DataSettings(
+            sources: dict[str, tuple[str, DataSettings]] = {}
+            if "synthetic" in args.data:
+                shards_main(
+                    ["--synthetic", str(args.samples), "--image-size", str(size), "--output", shard_dir]
+                    + ["--samples-per-shard", "256"]
+                )
+                sources["synthetic"] = ("", DataSettings(
                     dataset_type="synthetic", train_num_samples=10**7, synthetic_image_size=size
-                ),
-                "webdataset": DataSettings(
-                    dataset_type="webdataset",
-                    train_data=os.path.join(shard_dir, "*.tar"),
-                    dataset_resampled=True,  # endless: the measurement decides when to stop
-                    train_num_samples=10**7,
-                ),
-            }
-            for name, settings in sources.items():
-                for workers in args.workers:
+                ))  # fmt: skip
+            folders = {"webdataset": shard_dir} if "synthetic" in args.data else {}
+            if "web" in args.data:
+                folders["web"] = web_dir
+                extra[f"psnr_fast_vs_exact_{size}px"] = psnr_fast_vs_exact(
+                    web_dir, preprocess, args.psnr_samples
+                )
+                print(
+                    f"PSNR fast vs exact at {size} px: {extra[f'psnr_fast_vs_exact_{size}px']}",
+                    file=sys.stderr,
+                )
+            for name, folder in folders.items():
+                for decode in args.decode:
+                    sources[f"{name}, --decode {decode}"] = (folder, DataSettings(
+                        dataset_type="webdataset",
+                        train_data=os.path.join(folder, "*.tar"),
+                        dataset_resampled=True,  # endless: the measurement decides when to stop
+                        train_num_samples=10**7,
+                        decode=decode,
+                    ))  # fmt: skip
+            theirs_by: dict[tuple[str, int], float] = {}
+            for name, (folder, settings) in sources.items():
+                for workers in worker_counts:
                     settings.workers = workers
                     rate = measure(settings, preprocess, tokenizer, args.seconds)
                     versus = ""
-                    if args.open_clip and name == "webdataset" and workers > 0:
-                        # open_clip expands braces and "::" lists, not globs
-                        tars = sorted(f for f in os.listdir(shard_dir) if f.endswith(".tar"))
-                        pattern = "::".join(os.path.join(shard_dir, f) for f in tars)
-                        theirs = measure_open_clip(pattern, workers, preprocess, tokenizer, args.seconds)
+                    if args.open_clip and folder and workers > 0:
+                        key = (folder, workers)
+                        if key not in theirs_by:
+                            # open_clip expands braces and "::" lists, not globs
+                            tars = sorted(f for f in os.listdir(folder) if f.endswith(".tar"))
+                            pattern = "::".join(os.path.join(folder, f) for f in tars)
+                            theirs_by[key] = measure_open_clip(
+                                pattern, workers, preprocess, tokenizer, args.seconds
+                            )
+                            results.append({"source": f"open_clip_wds {os.path.basename(folder)}", "px": size,
+                                            "workers": workers, "rate": theirs_by[key]})  # fmt: skip
+                        theirs = theirs_by[key]
                         versus = f"{theirs:.0f} ({rate / theirs:.2f}x)"
-                        results.append(
-                            {"source": "open_clip_wds", "px": size, "workers": workers, "rate": theirs}
-                        )
                     results.append({"source": name, "px": size, "workers": workers, "rate": rate})
                     per_worker = f"{rate / workers:.0f}" if workers else "-"
                     rows.append(f"| {name} | {size} | {workers} | {rate:.0f} | {per_worker} | {versus} |")
@@ -164,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))
+    for key, value in extra.items():
+        print(f"{key}: {value}")
     if args.json:
         import json
 
@@ -172,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             "load1": os.getloadavg()[0],
             "argv": argv or sys.argv[1:],
             "rows": results,
+            **extra,
         }
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)

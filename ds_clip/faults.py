@@ -91,7 +91,8 @@ class StepFaults:
             _kill("kill", attempt, rank)
         if self._fires("nan", attempt, rank):
             images, texts = micro_batches[0]
-            return [(torch.full_like(images, float("nan")), texts), *micro_batches[1:]]
+            dtype = images.dtype if images.is_floating_point() else torch.float32  # uint8 (--decode fast)
+            return [(torch.full(images.shape, float("nan"), dtype=dtype), texts), *micro_batches[1:]]
         return micro_batches
 
 

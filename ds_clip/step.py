@@ -210,6 +210,8 @@ class Plan:
     towers: Towers
     caption: CaptionLoss | None
     teacher: Teacher | None
+    normalize: tuple[Sequence[float], Sequence[float]] | None = None
+    """(mean, std) of uint8 micro-batch images (--decode fast), applied on the device in ``inputs``."""
 
     @classmethod
     def decide(
@@ -220,6 +222,7 @@ class Plan:
         seeds: Sequence[int] | None,
         caption: CaptionLoss | None,
         teacher: Teacher | None,
+        normalize: tuple[Sequence[float], Sequence[float]] | None = None,
     ) -> Plan:
         return cls(
             sizes=sizes,
@@ -231,6 +234,7 @@ class Plan:
             towers=Towers.of(engine.module, caption=caption is not None),
             caption=caption,
             teacher=teacher,
+            normalize=normalize,
         )
 
     @property
@@ -245,12 +249,26 @@ class Plan:
         # Data offload: the k micro-batches' inputs stay where the loader put them (pinned host memory on
         # GPUs) and only the one being embedded is on the device, so device memory for inputs does not
         # grow with k (k-1 extra host-to-device copies per step, asynchronous from pinned memory).
+        # uint8 images (--decode fast) are normalised here, the one place a micro-batch reaches the device: the
+        # cache pass and the recompute see the same pixels.
         images, texts = micro_batch
+        if images.dtype == torch.uint8:
+            if self.normalize is None:
+                raise ValueError("uint8 images need cached_step(image_normalize=(mean, std))")
+            images = normalize_images(_to_device(images, self.device), *self.normalize)
         return {"image": _to_device(images, self.device, self.dtype), "text": _to_device(texts, self.device)}
 
     def contrastive_weight(self) -> float:
         """CoCa scales the contrastive term, its value and all its gradients (1 without a caption term)."""
         return self.caption.contrastive_weight if self.caption is not None else 1.0
+
+
+def normalize_images(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """uint8 NCHW images -> float32 on their device, with the arithmetic of torchvision's ToTensor then
+    Normalize (x / 255, then (x - mean) / std per channel): the same values the CPU transform gives."""
+    m = torch.as_tensor(mean, dtype=torch.float32, device=images.device)[:, None, None]
+    s = torch.as_tensor(std, dtype=torch.float32, device=images.device)[:, None, None]
+    return images.to(torch.float32).div_(255).sub_(m).div_(s)
 
 
 def _to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -428,6 +446,7 @@ def cached_step(
     micro_batch_seeds: Sequence[int] | None = None,
     caption: CaptionLoss | None = None,
     teacher: Teacher | None = None,
+    image_normalize: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> StepResult:
     """Train one optimizer step on k = len(micro_batches) micro-batches of (images, token ids).
 
@@ -450,9 +469,12 @@ def cached_step(
 
     ``teacher`` (--distill-model; the loss must distil): embeds each micro-batch once, in phase 1 under no_grad
     (micro-batch 0 too, never in the recompute); its embeddings enter the loss as constants.
+
+    ``image_normalize`` ((mean, std); ``TrainData.image_normalize``): the images are uint8 (--decode fast) and
+    are normalised on the device as torchvision's ToTensor + Normalize would (``normalize_images``).
     """
     sizes = check_step_call(engine, micro_batches, loss_fn, micro_batch_seeds)  # host sync 1 (W > 1)
-    plan = Plan.decide(engine, loss_fn, sizes, micro_batch_seeds, caption, teacher)
+    plan = Plan.decide(engine, loss_fn, sizes, micro_batch_seeds, caption, teacher, image_normalize)
     cache = _embed(engine, micro_batches, plan)
     scale_out, rng_after = cache.out0["logit_scale"], cache.rng_after
     grads = _full_batch_grads(cache, loss_fn, plan)  # host sync 2: the finiteness flag

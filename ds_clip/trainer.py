@@ -286,7 +286,7 @@ class Trainer:
         try:
             result = cached_step(
                 self.engine, micro_batches, self.loss_fn, micro_batch_seeds=seeds, caption=self.caption_fn,
-                teacher=self.teacher,
+                teacher=self.teacher, image_normalize=self.data.image_normalize,
             )  # fmt: skip
         except UntrainedOutputError as exc:  # same on every rank: the first step's forward, before any update
             raise UntrainedOutputError(

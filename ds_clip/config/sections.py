@@ -159,8 +159,8 @@ class DataSettings:
         unit="pairs",
         default_text=f"{DEFAULT_SYNTHETIC_SAMPLES} for synthetic data, the shards' size for webdataset",
     )
-    """Training pairs per epoch. Needed for resampled webdataset and shards without a size file; in
-    exact-epoch webdataset mode an optional cap."""
+    """Training pairs per epoch. Needed for resampled webdataset; in exact-epoch webdataset mode an optional
+    cap (each shard's count comes from sizes.json, img2dataset's NNNNN_stats.json, or else a scan)."""
     dataset_resampled: bool = opt(False)
     """Draw shards with replacement (seeded per epoch and rank); an epoch is then --train-num-samples
     pairs. Without it every sample is seen exactly once per epoch."""
@@ -178,6 +178,11 @@ class DataSettings:
     )
     """Side at which synthetic images are rendered (the model's preprocess then resizes); 64 when the
     data is built without a model."""
+    decode: str = opt("fast", choices=("fast", "exact"), open_clip="ds_clip only")
+    """Webdataset images under open_clip's train transform (RandomResizedCrop, then normalise): "fast" picks
+    the crop from the JPEG header, decodes at a reduced size (DCT scaling) still >= the crop's output,
+    crops and resizes in uint8 and normalises on the accelerator; "exact" decodes the full image and runs
+    the transform as open_clip does (bit-equal inputs). Other transforms always decode exactly."""
     shuffle_buffer: int = opt(1000, metavar="N", unit="samples", open_clip="ds_clip only")
     """Undecoded webdataset samples each worker shuffles over; 0 or 1: no sample shuffle."""
     csv_separator: str = opt(

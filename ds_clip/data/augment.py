@@ -111,6 +111,7 @@ _DRAWS: dict[str, frozenset[str]] = {
     },  # fmt: skip
     _TV + "RandomOrder": frozenset({"torch", "python"}),
     _TV + "RandomChoice": frozenset({"torch", "python"}),
+    "ds_clip.data.decode.FastCrop": frozenset({"torch"}),  # RandomResizedCrop's draw, from the JPEG header
     "open_clip.transform.MaybeConvertMode": frozenset(),
     "open_clip.transform.MaybeToTensor": frozenset(),
     "open_clip.transform.CenterCropOrPad": frozenset(),

@@ -80,6 +80,10 @@ class TrainData:
     steps_per_epoch: int
     """Optimizer steps per epoch, equal on every rank."""
 
+    image_normalize: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    """(mean, std) when the micro-batches' images are uint8 (--decode fast): the step normalises them on the
+    accelerator (``cached_step(image_normalize=...)``); None: they are the transform's float tensors."""
+
     exact_across_splits: bool = False
     """True when what step s trains depends on (seed, epoch, s, N) alone, not on the (W, k) split: then a
     position saved on one world size resumes the very same samples on another with the same N."""

@@ -31,6 +31,7 @@ from ds_clip.data.synthetic import SyntheticCaptions, render_pair
 from ds_clip.data.wds import SkipCounter, expand_urls, iter_shard
 from ds_clip.geometry import BatchGeometry
 from ds_clip.shards import Sample, write_shards
+from ds_clip.step import normalize_images
 from tests.data.tokens import byte_tokenizer, detok
 
 SIZE = 32  # transform output; synthetic pairs are rendered at 64 px, so every crop is a real resample
@@ -238,6 +239,13 @@ def write_image_shards(folder, count: int, per_shard: int, same_image: bool = Fa
     return os.path.join(str(folder), f"{{00000..{len(sizes) - 1:05d}}}.tar")
 
 
+def pixels(data, images: torch.Tensor) -> torch.Tensor:
+    """The float tensors the step trains on: uint8 images (--decode fast, open_clip's plain train transform)
+    normalised as the step does; the transform's own tensors as they are. PNG shards: no reduced decode, so
+    both decodes give the transform's very pixels."""
+    return normalize_images(images, *data.image_normalize) if images.dtype == torch.uint8 else images
+
+
 def wds_by_rank(pattern, transform, *, epoch=0, world_size=1, m=2, k=2, workers=0, seed=5, **settings):
     """Per rank, the (caption, image tensor) of every pair of one epoch, in training order."""
     out: list[list[tuple[str, torch.Tensor]]] = []
@@ -255,7 +263,7 @@ def wds_by_rank(pattern, transform, *, epoch=0, world_size=1, m=2, k=2, workers=
         out.append([])
         for batch in data.iter_epoch(epoch):
             for images, texts in batch.micro_batches:
-                out[-1].extend((detok(tokens), image) for image, tokens in zip(images, texts))
+                out[-1].extend((detok(tokens), image) for image, tokens in zip(pixels(data, images), texts))
     return out
 
 
@@ -307,7 +315,7 @@ def test_wds_same_url_and_key_same_pixels_for_any_workers_ranks_and_resume(tmp_p
             for got, want in zip(head + tail, whole):
                 for (gi, gt), (wi, wt) in zip(got, want):
                     assert torch.equal(gt, wt) and torch.equal(gi, wi)
-                    for image, tokens in zip(gi, gt):
+                    for image, tokens in zip(pixels(again, gi), gt):
                         assert torch.equal(image, reference[detok(tokens)])
 
 
@@ -344,7 +352,7 @@ def test_wds_resampled_repeats_of_a_sample_in_an_epoch_get_its_one_draw(tmp_path
     seen = 0
     for batch in data.iter_epoch(0):
         for images, texts in batch.micro_batches:
-            for image, tokens in zip(images, texts):
+            for image, tokens in zip(pixels(data, images), texts):
                 assert torch.equal(image, expected[detok(tokens)])
                 seen += 1
     assert seen == 40  # 8 samples drawn 40 times: every repeat is the same (seed, epoch, sample) draw

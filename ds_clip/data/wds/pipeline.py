@@ -27,6 +27,7 @@ from ds_clip.data.base import (
     loader_generator,
     prefetch_factor,
 )
+from ds_clip.data.decode import FastCrop
 from ds_clip.data.wds.samples import RawSample, SkipCounter, decode_sample, iter_shard, shuffled
 from ds_clip.data.wds.shardlist import expand_urls, shard_sizes, shard_weights
 from ds_clip.geometry import BatchGeometry
@@ -73,6 +74,7 @@ class _Pipeline:
     image_exts: tuple[str, ...]
     caption_exts: tuple[str, ...]
     augment: SeededTransform
+    fast: SeededTransform | None  # a seeded FastCrop (--decode fast and open_clip's train transform)
     tokenizer: Callable[[list[str]], Any]
     weights: list[float] | None = None  # per shard, resampled mode with --train-data-upsampling-factors
     plan: _EpochPlan | None = field(default=None)
@@ -134,6 +136,9 @@ class _WorkerStream(torch.utils.data.IterableDataset):
                     # the sample's draws: a function of (seed, epoch, shard URL, key) alone
                     preprocess=functools.partial(p.augment, epoch=plan.epoch, sample=(raw.url, raw.key)),
                     tokenizer=p.tokenizer,
+                    fast=None
+                    if p.fast is None
+                    else functools.partial(p.fast, epoch=plan.epoch, sample=(raw.url, raw.key)),
                 )
                 if isinstance(out, str):
                     counter.add(out, raw.url, f"sample {raw.key!r}")
@@ -181,6 +186,7 @@ class WebDatasetTrainData(TrainData):
         if self.resampled:
             assert settings.train_num_samples is not None  # validated
             available = settings.train_num_samples
+            logger.info("samples per epoch: %d from --train-num-samples (resampled)", available)
         else:
             if slots > len(self.urls):
                 raise DataError(
@@ -189,9 +195,14 @@ class WebDatasetTrainData(TrainData):
                     "one shard in exact-epoch mode (make more, smaller shards, use fewer --workers, or "
                     "--dataset-resampled)"
                 )
-            self.sizes = shard_sizes(self.urls)
+            # The exact-epoch plan needs every shard's count, also under --train-num-samples (which caps it).
+            self.sizes, source = shard_sizes(self.urls)
             total = sum(self.sizes)
             available = min(total, settings.train_num_samples or total)
+            cap = (
+                f"; an epoch is --train-num-samples {available} of them" if settings.train_num_samples else ""
+            )
+            logger.info("samples: %s%s", source, cap)
         self.steps_per_epoch = available // n
         if self.steps_per_epoch == 0:
             raise DataError(
@@ -210,6 +221,17 @@ class WebDatasetTrainData(TrainData):
                 n,
                 " or lie beyond --train-num-samples" if settings.train_num_samples else "",
             )
+        fast = FastCrop.of(preprocess) if settings.decode == "fast" else None
+        if fast is not None:
+            self.image_normalize = (fast.mean, fast.std)
+        logger.info(
+            "decode: %s",
+            "fast (crop chosen from the JPEG header, reduced-size decode, uint8, normalised on the accelerator)"
+            if fast is not None
+            else f"exact (--decode {settings.decode}"
+            + ("" if settings.decode == "exact" else "; the train transform is not open_clip's plain crop")
+            + ")",
+        )
         self._pipeline = _Pipeline(
             urls=self.urls,
             rank=rank,
@@ -220,6 +242,7 @@ class WebDatasetTrainData(TrainData):
             image_exts=tuple(e.strip().lower() for e in settings.image_key.split(";") if e.strip()),
             caption_exts=tuple(e.strip().lower() for e in settings.caption_key.split(";") if e.strip()),
             augment=SeededTransform(preprocess, settings.seed),
+            fast=None if fast is None else SeededTransform(fast, settings.seed),
             tokenizer=tokenizer,
             weights=shard_weights(settings.train_data, settings.train_data_upsampling_factors),
         )

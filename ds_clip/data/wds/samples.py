@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 from PIL import Image
-from webdataset.gopen import gopen
+from webdataset.gopen import gopen, gopen_schemes
+
+from ds_clip.data.decode import BadImage
 
 _KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext: "dir/k.a.b" -> dir/k, a.b
 _LOGGED_PER_REASON = 5  # per worker and pass; the rest only counted (one bad shard must not flood the log)
@@ -83,6 +85,19 @@ class _CountingReader:
         return data
 
 
+def open_url(url: str) -> Any:
+    """A binary read stream of a shard (or a file beside it): local paths, `file:`, `pipe:` and the schemes
+    webdataset's gopen knows (http, https through curl, ...) through gopen; any other `scheme://` URL
+    (s3://, gs://, az://, ...) through fsspec, as --remote-sync (s3fs for s3://; endpoint and credentials
+    from the usual environment, e.g. AWS_ENDPOINT_URL)."""
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme and scheme not in gopen_schemes and scheme != "file":
+        import fsspec
+
+        return fsspec.open(url, "rb").open()
+    return gopen(url, "rb")
+
+
 def iter_shard(url: str, counter: SkipCounter, skip: int = 0, take: int | None = None) -> Iterator[RawSample]:
     """Samples of one shard (member bytes by lower-case extension), after the first `skip`, at most `take`.
 
@@ -93,7 +108,7 @@ def iter_shard(url: str, counter: SkipCounter, skip: int = 0, take: int | None =
     index, key, current = -1, None, {}
     yielded = 0
     try:
-        stream = gopen(url, "rb")
+        stream = open_url(url)
         reader = _CountingReader(stream)
         tf = tarfile.open(fileobj=reader, mode="r|*")
         for info in tf:
@@ -165,8 +180,10 @@ def decode_sample(
     caption_exts: tuple[str, ...],
     preprocess: Callable[[Image.Image], torch.Tensor],
     tokenizer: Callable[[list[str]], Any],
+    fast: Callable[[bytes], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | str:
-    """The (image, tokens) pair of a raw sample, or the reason it is skipped."""
+    """The (image, tokens) pair of a raw sample, or the reason it is skipped. With `fast` (a seeded
+    `FastCrop`, --decode fast) the image bytes go to it instead of a full decode and `preprocess`."""
     image_bytes = _first(raw.data, image_exts)
     if image_bytes is None:
         return "missing_image"
@@ -179,6 +196,12 @@ def decode_sample(
         return "bad_caption"
     if not caption:
         return "missing_caption"
+    if fast is not None:
+        try:
+            image_tensor = fast(image_bytes)
+        except BadImage:
+            return "bad_image"
+        return image_tensor, torch.as_tensor(tokenizer([caption])[0])
     try:
         with Image.open(io.BytesIO(image_bytes)) as im:
             image = im.convert("RGB")  # forces the full decode: a broken file fails here, not later

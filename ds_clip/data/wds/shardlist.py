@@ -1,5 +1,6 @@
 """The shards of --train-data and their sizes: the expanded shard list, the per-shard weights of
---train-data-upsampling-factors, and the samples per shard (sizes.json beside the shards, else a scan)."""
+--train-data-upsampling-factors, and the samples per shard (sizes.json beside the shards, img2dataset's
+NNNNN_stats.json files, else a scan)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,18 @@ import logging
 import os
 import tarfile
 import zlib
-
-from webdataset.gopen import gopen
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from ds_clip.data.base import DataError
-from ds_clip.data.wds.samples import split_name
+from ds_clip.data.wds.samples import open_url, split_name
 from ds_clip.urls import ShardPatternError, expand_shards
 
 logger = logging.getLogger("ds_clip.data")
 
 SIZES_FILE = "sizes.json"
+STATS_SUFFIX = "_stats.json"  # img2dataset's NNNNN_stats.json beside NNNNN.tar
+FETCH_THREADS = 16  # size files fetched at once from remote storage
 
 
 def _is_local(url: str) -> bool:
@@ -56,7 +59,7 @@ def count_samples(url: str) -> int:
             tf = tarfile.open(_local_path(url), mode="r:*")  # seekable: skips member data
             stream = None
         else:
-            stream = gopen(url, "rb")
+            stream = open_url(url)
             tf = tarfile.open(fileobj=stream, mode="r|*")
         with tf:
             for info in tf:
@@ -70,38 +73,105 @@ def count_samples(url: str) -> int:
     return count
 
 
-def shard_sizes(urls: list[str]) -> list[int]:
-    """Samples per shard: from sizes.json next to local shards where listed, else by scanning the shard."""
-    tables: dict[str, dict[str, int]] = {}
-    sizes: list[int] = []
-    scanned = 0
-    for url in urls:
-        size = None
+def _read_json(url: str) -> Any:
+    """The JSON document at `url` (local or remote, through the shards' own opener); None when it is absent
+    or cannot be read. A file that is there but is not JSON raises DataError naming it."""
+    try:
         if _is_local(url):
-            path = _local_path(url)
-            folder = os.path.dirname(os.path.abspath(path))
-            if folder not in tables:
-                tables[folder] = _read_sizes(os.path.join(folder, SIZES_FILE))
-            size = tables[folder].get(os.path.basename(path))
-        if size is None:
-            size, scanned = count_samples(url), scanned + 1
-        sizes.append(int(size))
-    if scanned:
-        logger.info(
-            "counted samples of %d of %d shards by scanning them (no %s entry)",
-            scanned,
-            len(urls),
-            SIZES_FILE,
-        )
-    return sizes
+            if not os.path.isfile(_local_path(url)):
+                return None
+            with open(_local_path(url), "rb") as f:
+                data = f.read()
+        else:
+            stream = open_url(url)
+            try:
+                data = stream.read()
+            finally:
+                stream.close()
+    except Exception:  # noqa: BLE001 - absent or unreachable (a 404 through curl, NoSuchKey through s3fs, ...)
+        return None
+    if not data:
+        return None  # curl -f prints nothing for a missing file
+    try:
+        return json.loads(data)
+    except ValueError as exc:
+        raise DataError(f"{url} is not JSON: {exc}") from None
 
 
-def _read_sizes(path: str) -> dict[str, int]:
-    if not os.path.isfile(path):
+def _sizes_table(url: str) -> dict[str, int]:
+    table = _read_json(url)
+    if table is None:
         return {}
     try:
-        with open(path) as f:
-            table = json.load(f)
         return {str(k): int(v) for k, v in table.items()}
-    except (OSError, ValueError, AttributeError) as exc:
-        raise DataError(f"{path} is not a JSON object of shard name -> sample count: {exc}") from exc
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise DataError(f"{url} is not a JSON object of shard name -> sample count: {exc}") from None
+
+
+def stats_url(url: str) -> str | None:
+    """img2dataset's stats file of a shard: NNNNN_stats.json beside NNNNN.tar; None for `pipe:` sources."""
+    if url.startswith("pipe:") or not url.endswith(".tar"):
+        return None
+    return url[: -len(".tar")] + STATS_SUFFIX
+
+
+def _stats_count(url: str) -> int | None:
+    """The "successes" count of img2dataset's stats file at `url` (the samples its tar holds), None if absent."""
+    stats = _read_json(url)
+    if stats is None:
+        return None
+    successes = stats.get("successes") if isinstance(stats, dict) else None
+    if not isinstance(successes, int) or successes < 0:
+        raise DataError(f'{url} has no sample count: img2dataset\'s stats files hold an integer "successes"')
+    return successes
+
+
+def _folder(url: str) -> str:
+    return os.path.dirname(os.path.abspath(_local_path(url))) if _is_local(url) else url.rsplit("/", 1)[0]
+
+
+def shard_sizes(urls: list[str], *, threads: int = FETCH_THREADS) -> tuple[list[int], str]:
+    """Samples per shard, from the first source that has it: sizes.json beside the shards (open_clip's format,
+    local or remote), img2dataset's NNNNN_stats.json beside each shard ("successes"; local or remote), a scan
+    of the shard (tar headers only on a local disk, the whole stream otherwise). Files on remote storage are
+    fetched `threads` at a time. Returns the sizes and where they came from, in words."""
+    sizes: list[int | None] = [None] * len(urls)
+    folders = sorted({_folder(u) for u in urls if not u.startswith("pipe:")})
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(urls)))) as pool:
+        tables = dict(
+            zip(folders, pool.map(lambda f: _sizes_table(f + "/" + SIZES_FILE), folders), strict=True)
+        )
+        for i, url in enumerate(urls):
+            if not url.startswith("pipe:"):
+                sizes[i] = tables[_folder(url)].get(url.rsplit("/", 1)[-1])
+        from_table = sum(s is not None for s in sizes)
+        wanted = [i for i, s in enumerate(sizes) if s is None and stats_url(urls[i]) is not None]
+        for i, count in zip(
+            wanted, pool.map(lambda i: _stats_count(stats_url(urls[i])), wanted), strict=True
+        ):
+            sizes[i] = count
+        from_stats = sum(s is not None for s in sizes) - from_table
+        scan = [i for i, s in enumerate(sizes) if s is None]
+        remote = sum(not _is_local(urls[i]) for i in scan)
+        if remote:
+            logger.warning(
+                "counting the samples of %d remote shards by reading them whole (no %s entry or %s file beside "
+                "them): write a %s (ds-clip-shards' format) to start without that read",
+                remote,
+                SIZES_FILE,
+                f"NNNNN{STATS_SUFFIX}",
+                SIZES_FILE,
+            )
+        for i, count in zip(scan, pool.map(lambda i: count_samples(urls[i]), scan), strict=True):
+            sizes[i] = count
+    parts = [
+        f"{n} from {what}"
+        for n, what in (
+            (from_table, SIZES_FILE),
+            (from_stats, f"img2dataset's NNNNN{STATS_SUFFIX} files"),
+            (len(scan), "a scan of the shard (no size file)"),
+        )
+        if n
+    ]
+    counted = [int(s) for s in sizes]  # type: ignore[arg-type]
+    return counted, f"{sum(counted)} samples in {len(urls)} shards, counts of {', '.join(parts)}"
