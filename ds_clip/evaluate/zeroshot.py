@@ -17,7 +17,7 @@ from ds_clip.evaluate.classes import folder_classes, load_templates
 from ds_clip.evaluate.datasets import _ClassImages, class_folder_samples, imagenet_samples
 from ds_clip.evaluate.metrics import FOLDER_METRIC, IMAGENET_METRICS
 from ds_clip.evaluate.settings import Forward
-from ds_clip.stop_signals import ignore_in_worker
+from ds_clip.stop_signals import loader_workers
 
 # Classes whose 80 prompts share one text forward (open_clip's build_zero_shot_classifier batches 10).
 _CLASSES_PER_BATCH = 10
@@ -165,8 +165,7 @@ def _classify(
     loader = torch.utils.data.DataLoader(
         _ClassImages(samples[rank::world], preprocess),
         batch_size=batch_size,
-        num_workers=workers,
-        worker_init_fn=ignore_in_worker,  # a stop signal is the rank's to handle (stop_signals)
+        **loader_workers(workers),  # forkserver; a stop signal is the rank's to handle (stop_signals)
     )
     # ZeRO-3 gathers parameters inside forward: every rank runs the largest rank's number of forwards.
     n_forward = -(-len(samples[0::world]) // batch_size)

@@ -76,13 +76,7 @@ def shard_sizes(urls: list[str]) -> list[int]:
     sizes: list[int] = []
     scanned = 0
     for url in urls:
-        size = None
-        if _is_local(url):
-            path = _local_path(url)
-            folder = os.path.dirname(os.path.abspath(path))
-            if folder not in tables:
-                tables[folder] = _read_sizes(os.path.join(folder, SIZES_FILE))
-            size = tables[folder].get(os.path.basename(path))
+        size = _listed_size(url, tables)
         if size is None:
             size, scanned = count_samples(url), scanned + 1
         sizes.append(int(size))
@@ -94,6 +88,25 @@ def shard_sizes(urls: list[str]) -> list[int]:
             SIZES_FILE,
         )
     return sizes
+
+
+def listed_sizes(urls: list[str]) -> list[int] | None:
+    """Samples per shard from the sizes.json files beside local shards, without reading a shard; None when some
+    shard is not listed (remote, or missing from its folder's table)."""
+    tables: dict[str, dict[str, int]] = {}
+    sizes = [_listed_size(url, tables) for url in urls]
+    return None if None in sizes else [int(n) for n in sizes]
+
+
+def _listed_size(url: str, tables: dict[str, dict[str, int]]) -> int | None:
+    """The sizes.json entry of a local shard (``tables``: the tables read so far, by folder); None if none."""
+    if not _is_local(url):
+        return None
+    path = _local_path(url)
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in tables:
+        tables[folder] = _read_sizes(os.path.join(folder, SIZES_FILE))
+    return tables[folder].get(os.path.basename(path))
 
 
 def _read_sizes(path: str) -> dict[str, int]:
