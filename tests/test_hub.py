@@ -356,7 +356,8 @@ TIMM_REPO = "timm/test_vit.r160_in1k"  # timm's pretrained config of its tiny te
 @pytest.mark.slow
 def test_pretrained_image_loads_timms_hub_weights_into_the_image_tower(hub, tmp_path):
     """--pretrained-image: the timm image tower starts from timm's hub weights (fetched once, into the cache);
-    with --lock-image they come out of training and export bit-identical."""
+    with --lock-image they come out of training and export bit-identical. Started with --resume latest (nothing
+    saved yet): a first start loads them as a start without --resume does."""
     import timm
     from safetensors.torch import save
 
@@ -377,7 +378,14 @@ def test_pretrained_image_loads_timms_hub_weights_into_the_image_tower(hub, tmp_
     folder = _cfg_dir(cfg)
     env = _env(hub, tmp_path / "hf")
     args = _train_args(
-        f"local-dir:{folder}", tmp_path / "logs", "timm", "--pretrained-image", "--lock-image", steps=1
+        f"local-dir:{folder}",
+        tmp_path / "logs",
+        "timm",
+        "--pretrained-image",
+        "--lock-image",
+        "--resume",
+        "latest",
+        steps=1,
     )
     proc = _run([sys.executable, "-m", "ds_clip.train", *args], env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
