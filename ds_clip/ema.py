@@ -361,7 +361,10 @@ class WeightEma:
             for name, off, poff, numel in frags:
                 if name not in full:
                     raise CheckpointError(f"--resume: the checkpoint's weight EMA has no parameter {name}")
-                flat.narrow(0, off, numel).copy_(full[name].reshape(-1).narrow(0, poff, numel).to(flat.dtype))
+                # view(-1): on ZeRO-0 the masters are the parameters themselves, in their own (2-D) shapes
+                flat.view(-1).narrow(0, off, numel).copy_(
+                    full[name].reshape(-1).narrow(0, poff, numel).to(flat.dtype)
+                )
 
 
 def _plain(fragments: list[list[Fragment]]) -> list[list[Fragment]]:

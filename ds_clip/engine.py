@@ -63,7 +63,7 @@ def resolve_geometry(s: TrainSettings, world_size: int) -> BatchGeometry:
 
 
 def build_model_bundle(
-    m: ModelSettings, *, seed: int, local_rank: int | None = None, resuming: bool = False
+    m: ModelSettings, *, seed: int, local_rank: int | None = None, load_published: bool = True
 ) -> ModelBundle:
     """The open_clip model of the model section (seeded by ``seed``, the run's --seed, made DeepSpeed-safe) with
     its tokenizer and transforms; the image flags reach the model and the transforms, the locking flags freeze
@@ -71,14 +71,14 @@ def build_model_bundle(
 
     Published weights, configs and tokenizers (--pretrained TAG, hf-hub: models, ...) come from the cache: with
     ``local_rank`` given (every rank of a run calls this), local rank 0 of each host fetches what its cache lacks
-    while the others wait (``fetch_once_per_host``). ``resuming``: the checkpoint holds the weights, so no
-    pretrained weights are fetched or loaded (they would be overwritten)."""
+    while the others wait (``fetch_once_per_host``). ``load_published`` False (``ds_clip.weights`` decided the run
+    continues from a checkpoint, which holds the weights): no published weights are fetched or loaded."""
     from ds_clip.config import aug_cfg_dict
-    from ds_clip.export import resolve_pretrained
     from ds_clip.model import ImageOptions, TowerLocks
+    from ds_clip.weights import resolve_pretrained
 
     if local_rank is not None:
-        fetch_once_per_host(m, is_fetcher=local_rank == 0, load_weights=not resuming)
+        fetch_once_per_host(m, is_fetcher=local_rank == 0, load_weights=load_published)
     size = m.force_image_size
     bundle = build_model(
         m.model,
@@ -86,7 +86,7 @@ def build_model_bundle(
         seed=seed,
         cache_dir=m.cache_dir,
         pretrained_image=m.pretrained_image,
-        load_weights=not resuming,
+        load_weights=load_published,
         grad_checkpointing=m.grad_checkpointing,
         image=ImageOptions(
             force_patch_dropout=m.force_patch_dropout,
@@ -167,8 +167,8 @@ def build_teacher(m: ModelSettings, student: ModelBundle, *, seed: int) -> Teach
     stream."""
     import torch
 
-    from ds_clip.export import resolve_pretrained
     from ds_clip.model import check_teacher_fits
+    from ds_clip.weights import resolve_pretrained
 
     name = m.distill_model
     if name is None:

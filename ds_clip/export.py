@@ -35,8 +35,8 @@ from ds_clip.config import Parser, add_flags
 from ds_clip.ema import full_state_from_files
 from ds_clip.errors import UserError
 from ds_clip.model_card import hub_upload_command, write_card
+from ds_clip.weights import WEIGHTS_FILE, resolve_pretrained  # noqa: F401 - the import path users rely on
 
-WEIGHTS_FILE = "open_clip_model.safetensors"
 CONFIG_FILE = "open_clip_config.json"
 # What marks a folder as holding an export of either format (--overwrite replaces it).
 EXPORT_FILES = (WEIGHTS_FILE, CONFIG_FILE, "model.safetensors", "config.json")
@@ -215,24 +215,6 @@ def _save_hub_tokenizer(name: str, out: Path, cache_dir: str | None) -> None:
 
     with hub.offline():
         HFTokenizer(name, cache_dir=cache_dir).tokenizer.save_pretrained(str(out))
-
-
-def resolve_pretrained(pretrained: str | None) -> str | None:
-    """--pretrained may name an exported folder: use its weights file (files, tags and hub names pass through)."""
-    if pretrained is None:
-        return None
-    p = Path(pretrained).expanduser()
-    if p.is_dir():
-        for name in (
-            WEIGHTS_FILE,
-            *(f.name for f in sorted(p.glob("*.safetensors"))),
-            "open_clip_pytorch_model.bin",
-        ):
-            if (p / name).is_file():
-                return str(p / name)
-        raise ExportError(f"--pretrained {pretrained}: no {WEIGHTS_FILE} (or other weights) in that folder")
-    # A tag, hf-hub:ORG/REPO or URL passes through unchanged (open_clip and ds_clip.hub resolve it).
-    return str(p) if p.exists() else pretrained
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,7 +44,7 @@ from ds_clip.checkpoint import (
 )
 from ds_clip.config import CheckpointSettings
 from ds_clip.distributed import broadcast_object, rank
-from ds_clip.errors import UserError
+from ds_clip.errors import RunError, UserError
 
 logger = logging.getLogger("ds_clip")
 
@@ -54,6 +54,11 @@ _CHUNK = 16 << 20
 class RemoteError(UserError):
     """The remote cannot be used: unreachable or unwritable at start, or a pulled checkpoint that fails its
     checksums."""
+
+
+class RemoteIncompleteError(RunError):
+    """The run finished but its last sync to --remote-sync did not (timed out or failed): the remote lacks what
+    the message lists; the local run folder is complete. Exit status 1."""
 
 
 class SyncError(Exception):
@@ -166,12 +171,44 @@ class RemoteSync:
         while not self._stop.wait(self.every_s):
             self.sync_once()
 
-    def close(self) -> None:
-        """Stop the thread (after the sync it is in) and sync once more: the last checkpoint goes up too."""
+    def close(self, timeout_s: float = 600.0) -> str | None:
+        """Stop the thread (after the sync it is in) and sync once more, so the last checkpoint goes up too,
+        waiting ``timeout_s`` seconds at most in all (--remote-sync-final-timeout): a store that stopped
+        answering must not keep a finished job, and its allocation, alive. Returns None when everything went up,
+        else one line saying what is and is not complete on the remote (the local run folder is untouched; a
+        copy still under way is left to its daemon thread, which ends with the process)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self.sync_once()
+        outcome: list[bool] = []
+
+        def last_sync() -> None:
+            if self._thread is not None:
+                self._thread.join()
+            outcome.append(self.sync_once())
+
+        final = threading.Thread(target=last_sync, name="ds_clip-remote-final-sync", daemon=True)
+        final.start()
+        final.join(timeout_s)
+        if outcome == [True]:
+            return None
+        why = (
+            "the last sync failed (logged above)"
+            if outcome
+            else f"the last sync did not finish within --remote-sync-final-timeout {timeout_s:g} s"
+        )
+        return f"remote sync to {self.remote.url}: {why}; {self.describe_remote()}"
+
+    def describe_remote(self) -> str:
+        """Which local complete checkpoints are complete on the remote, which are not, and where the local copy
+        is (rank 0's view after its syncs; nothing is listed again)."""
+        local = [p.name for p in _local_complete(self.run_dir / "checkpoints")]
+        there = set(self._complete or ())
+        up = [t for t in local if t in there]
+        missing = [t for t in local if t not in there]
+        return (
+            f"complete on the remote: {', '.join(up) or 'no checkpoint'}; not on the remote: "
+            f"{', '.join(missing) or 'no checkpoint'} (and possibly the newest logs); the local run folder "
+            f"{self.run_dir} is complete and kept"
+        )
 
     def sync_once(self) -> bool:
         """One pass; a failure is logged (never raised) and the next pass tries again. True if it all went up."""

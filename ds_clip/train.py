@@ -20,6 +20,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 from ds_clip.config import TrainSettings, parse_settings, settings_to_dict
 from ds_clip.errors import RunError, UserError
@@ -160,12 +161,19 @@ def _k_table(s: TrainSettings) -> str:
 def _print_published(s: TrainSettings) -> None:
     """The published files the run reads (weights, configs, tokenizers) and whether each is cached: local rank 0
     of each host fetches the missing ones at start; offline (HF_HUB_OFFLINE) they must all be cached."""
-    from ds_clip import hub
+    from ds_clip import hub, weights
+    from ds_clip.checkpoint import CheckpointError
 
     m = s.model
+    try:  # where the weights come from, as the start would decide it from this machine's files
+        load_weights = weights.plan_start(
+            Path(s.logging.logs) / s.logging.name, s.checkpoint.resume
+        ).loads_published
+    except CheckpointError:
+        load_weights = False  # the start refuses it in one line
     needs, command = hub.run_needs(
         m.model, m.pretrained, cache_dir=m.cache_dir, pretrained_image=m.pretrained_image,
-        load_weights=s.checkpoint.resume is None, distill_model=m.distill_model,
+        load_weights=load_weights, distill_model=m.distill_model,
         distill_pretrained=m.distill_pretrained,
     )  # fmt: skip
     if not needs:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ds_clip import checkpoint, distributed, ema, evaluate, faults, remote
+from ds_clip import checkpoint, distributed, ema, evaluate, faults, remote, weights
 from ds_clip.checkpoint import Checkpointer
 from ds_clip.clamp import clamp_logit_scale
 from ds_clip.config import (
@@ -109,6 +109,9 @@ class SkipPolicy:
 class Trainer:
     """One training run. Every rank builds one and calls ``train()``."""
 
+    _remote_missing: str | None = None
+    """What the last remote sync left out (``_close_remote``); None when it all went up or there is no remote."""
+
     before_step: Callable[[list, int, int], list] | None = None
     """Hook called with (micro-batches, attempt, rank) before each step; returns the micro-batches to train.
     None in a normal run: ``faults.install`` sets it at start when DS_CLIP_INJECT_FAULT is set."""
@@ -130,11 +133,16 @@ class Trainer:
         # Before the model and the engine: an unusable remote, or a checkpoint whose bytes changed since its
         # save, is one line (exit 2); a newer checkpoint on the remote is pulled for --resume latest.
         self.remote_sync = remote.start_sync(s.checkpoint, run_dir)
-        if s.checkpoint.resume:
-            checkpoint.verify_resume(run_dir, s.checkpoint.resume)
+        # Where the weights come from (ds_clip.weights), decided once for every rank: a checkpoint to continue
+        # from, or the model's published/local weights (also for --resume latest with nothing saved yet).
+        self.start = start = weights.agree_start(run_dir, s.checkpoint.resume, is_main=info.is_main)
+        if start.checkpoint is not None:
+            checkpoint.verify(start.checkpoint, start.flag)
+        if info.is_main:
+            logger.info("%s", start.describe(s.model))
 
         self.bundle = bundle = build_model_bundle(
-            s.model, seed=s.data.seed, local_rank=info.local_rank, resuming=s.checkpoint.resume is not None
+            s.model, seed=s.data.seed, local_rank=info.local_rank, load_published=start.loads_published
         )
         check_tokenizer_fits(bundle.model, bundle.tokenizer, s.model.model)  # the data is tokenized by it
         # The parameter shapes are checked against a checkpoint before DeepSpeed loads it.
@@ -172,8 +180,8 @@ class Trainer:
         )  # fmt: skip
         self.evaluator = self._build_evaluator(_image_px(bundle))
         self.start_step = (
-            self.checkpointer.resume(s.checkpoint.resume, shapes=shapes, is_main=info.is_main)
-            if s.checkpoint.resume
+            self.checkpointer.resume(start.resume, shapes=shapes, is_main=info.is_main)
+            if start.checkpoint is not None
             else 0
         )
         resumed = self.checkpointer.resumed_from
@@ -305,11 +313,26 @@ class Trainer:
             writer.log(row)
 
     def train(self) -> TrainSummary:
+        """Train (``_train``); then, with --remote-sync, a last sync that did not finish is a RunError (exit 1)
+        whose one line says what is and is not on the remote; the trained run is saved locally either way."""
+        summary = self._train()
+        if self._remote_missing is not None:
+            raise remote.RemoteIncompleteError(self._remote_missing)
+        return summary
+
+    def _close_remote(self) -> None:
+        """The last sync of --remote-sync, bounded by --remote-sync-final-timeout (rank 0; no-op elsewhere)."""
+        if self.remote_sync is not None:
+            self._remote_missing = self.remote_sync.close(self.s.checkpoint.remote_sync_final_timeout)
+
+    def _train(self) -> TrainSummary:
         """The loop. Counting rule (README, "Skipped steps"): ``step`` counts *applied* updates: what
         --max-steps, the LR schedule, checkpoint tags and samples_seen count. A skipped batch is consumed,
         counted by the skip policy, and the next batch trains the same update number."""
         s, info, total = self.s, self.info, self.total_steps
         step, attempt = self.start_step, 0  # attempt: batches taken by this process (fault injection)
+        if step >= total:
+            return self._already_finished(step)
         writer = (
             MetricsWriter(self.run_dir, s.logging.report_to, total, step, settings_to_dict(s))
             if info.is_main
@@ -358,8 +381,7 @@ class Trainer:
             stop.uninstall()
             if writer is not None:
                 writer.close()
-            if self.remote_sync is not None:
-                self.remote_sync.close()  # the last sync: the final checkpoint and metrics go up too
+            self._close_remote()
         summary = self._summary(step)
         bad_samples = self._skipped_samples()  # a collective: every rank gets here
         if info.is_main:
@@ -373,6 +395,17 @@ class Trainer:
     def _skipped_samples(self) -> int:
         """Bad samples the loaders of all ranks skipped so far (a collective: every rank calls it)."""
         return int(distributed.all_reduce_sum(torch.tensor(float(sum(self.data.skip_counts.values())))))
+
+    def _already_finished(self, step: int) -> TrainSummary:
+        """A finished run launched again (a re-queued job's --resume latest): nothing to train, nothing saved;
+        its checkpoints and metrics stay as they are."""
+        if self.info.is_main:
+            logger.info(
+                "the run already finished at step %d (%d steps in total); nothing trained, nothing saved: %s",
+                step, self.total_steps, self.checkpointer.resumed_from,
+            )  # fmt: skip
+        self._close_remote()
+        return self._summary(step)
 
     def _stop(self, step: int, stop: StopRequest) -> TrainSummary:
         """Every rank: save ``step`` and end the run (a signal, or the launcher gone; docs/faults.md)."""

@@ -131,7 +131,7 @@ def test_resume_latest_without_a_checkpoint_starts_from_scratch(model_dir, tmp_p
 
     out = run(2)
     lines = [line for line in out.splitlines() if "no complete checkpoint" in line]
-    assert len(lines) == 1 and "starting from scratch" in lines[0], out[-3000:]
+    assert len(lines) == 1 and "the model starts from random weights" in lines[0], out[-3000:]
     out = run(3)
     assert "resumed from" in out and "at step 2" in out and "no complete checkpoint" not in out
 

@@ -215,3 +215,39 @@ def test_webdataset_val_slices_are_disjoint_and_complete(tmp_path):
     assert sorted(seen) == list(range(8))
     # shard 0: from the caption (odd j: circle = 0, even j: square = 1); shard 1: its cls member
     assert [seen[i] for i in range(8)] == [1, 0, 1, 0, 1, 1, 1, 1]
+
+
+def _val_shards(folder: Path, shards: int, per_shard: int, sizes: bool) -> str:
+    from ds_clip.shards import main
+
+    assert main(["--synthetic", str(shards * per_shard), "--output", str(folder), "--image-size", "16",
+                 "--samples-per-shard", str(per_shard)]) == 0  # fmt: skip
+    if not sizes:
+        (folder / "sizes.json").unlink()
+    return str(folder / f"{{00000..{shards - 1:05d}}}.tar")
+
+
+def test_webdataset_val_with_at_least_w_shards_gives_each_rank_its_own_shards(tmp_path):
+    """With at least W shards each rank reads only shards r, r + W, ... (the set is read once in all): every
+    sample once, the gathered order (sorted by index) that of one process, for W = 2, 3, 4 over 4 shards;
+    --val-num-samples keeps the first N in shard order where sizes.json places each shard, and falls back to
+    samples i % W == rank (every rank reading) where it does not."""
+    from ds_clip.data.wds import SkipCounter, expand_urls
+    from ds_clip.evaluate.datasets import _wds_raw
+
+    for sizes in (True, False):
+        urls = expand_urls(_val_shards(tmp_path / f"s{sizes}", 4, 5, sizes), "--val-data")
+        for limit in (None, 13):
+            one = [raw.key for _, _, raw in _wds_raw(urls, 0, 1, limit, SkipCounter())]
+            assert len(one) == (limit or 20)
+            for world in (2, 3, 4):
+                got = {}
+                for rank in range(world):
+                    for index, url, raw in _wds_raw(urls, rank, world, limit, SkipCounter()):
+                        assert index not in got
+                        got[index] = raw.key
+                        if limit is None or sizes:  # its own shards only
+                            assert urls.index(url) % world == rank, (world, rank, url)
+                        else:
+                            assert index % world == rank
+                assert [got[i] for i in sorted(got)] == one, (sizes, limit, world)

@@ -356,7 +356,8 @@ TIMM_REPO = "timm/test_vit.r160_in1k"  # timm's pretrained config of its tiny te
 @pytest.mark.slow
 def test_pretrained_image_loads_timms_hub_weights_into_the_image_tower(hub, tmp_path):
     """--pretrained-image: the timm image tower starts from timm's hub weights (fetched once, into the cache);
-    with --lock-image they come out of training and export bit-identical."""
+    with --lock-image they come out of training and export bit-identical. Started with --resume latest (nothing
+    saved yet): a first start loads them as a start without --resume does."""
     import timm
     from safetensors.torch import save
 
@@ -377,7 +378,14 @@ def test_pretrained_image_loads_timms_hub_weights_into_the_image_tower(hub, tmp_
     folder = _cfg_dir(cfg)
     env = _env(hub, tmp_path / "hf")
     args = _train_args(
-        f"local-dir:{folder}", tmp_path / "logs", "timm", "--pretrained-image", "--lock-image", steps=1
+        f"local-dir:{folder}",
+        tmp_path / "logs",
+        "timm",
+        "--pretrained-image",
+        "--lock-image",
+        "--resume",
+        "latest",
+        steps=1,
     )
     proc = _run([sys.executable, "-m", "ds_clip.train", *args], env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -417,3 +425,42 @@ def test_distill_from_a_pretrained_tag_fetches_the_teacher_once_per_host(hub, tm
     settings = json.loads((tmp_path / "logs" / "distill" / "settings.json").read_text())
     assert (settings["distill_model"], settings["distill_pretrained"]) == ("ViT-B-32", "laion2b_s34b_b79k")
     assert (tmp_path / "logs" / "distill" / "checkpoints" / "latest_complete").exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_resume_latest_on_a_first_start_loads_the_published_weights(hub, tmp_path):
+    """`--resume latest` from the very first start (the one command of a re-queued job), under
+    `deepspeed --num_gpus 2` with --lock-image: with nothing saved yet the run starts from the published weights,
+    never from random ones, for an open_clip tag (--pretrained laion2b_s34b_b79k), an hf-hub: model, and a
+    local-dir: model's own weights; the log says where the weights came from. The locked image tower comes out
+    of training and export bit-identical to the published one."""
+    from ds_clip_harness.models import write_pretrained_dir
+
+    local = write_pretrained_dir(tmp_path / "local", E2E_MODEL, seed=14)
+    local_state = _local_state(tmp_path / "local")
+    cases = [
+        ("tag", "ViT-B-32", ("--pretrained", "laion2b_s34b_b79k"), hub.states[TAG_REPO], "--pretrained"),
+        ("hub", f"hf-hub:{HUB_MODEL}", (), hub.states[HUB_MODEL], "--model hf-hub:"),
+        ("local", local, (), local_state, "--model local-dir:"),
+    ]
+    env = _env(hub, tmp_path / "hf")
+    for name, model, extra, published, said in cases:
+        launch = ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "ds_clip.train"]  # fmt: skip
+        args = _train_args(
+            model, tmp_path / "logs", name, *extra, "--lock-image", "--resume", "latest", steps=1
+        )
+        proc = _run([*launch, *args], env)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-4000:]
+        exported = _exported(tmp_path / "logs" / name, tmp_path / f"export-{name}", env)
+        visual = [k for k in published if k.startswith("visual.")]
+        assert visual and all(torch.equal(exported[k], published[k]) for k in visual), name
+        start = [ln for ln in out.splitlines() if "no complete checkpoint" in ln]
+        assert start and said in start[0], (name, start, out[-3000:])
+
+
+def _local_state(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / WEIGHTS))

@@ -345,6 +345,115 @@ def test_s3_sync_kill_delete_resume_from_remote_matches_uninterrupted(model_dir,
     assert re.search(r"exits with return code = 2|exit(ed)? (code|status) 2", out) or code == 2, out[-2000:]
 
 
+class _StallingStore:
+    """A TCP relay in front of the S3 server that stops answering once a request names ``trigger``: that
+    connection and every later one are held open and never answered, as an object store that hangs does."""
+
+    def __init__(self, upstream_port: int, trigger: bytes) -> None:
+        import threading
+
+        self.upstream, self.trigger, self.stalled = upstream_port, trigger, threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.held.append(client)
+            if not self.stalled.is_set():
+                up = socket.create_connection(("127.0.0.1", self.upstream))
+                self.held.append(up)
+                threading.Thread(target=self._pipe, args=(client, up, True), daemon=True).start()
+                threading.Thread(target=self._pipe, args=(up, client, False), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, is_request: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                if is_request and self.trigger in data:
+                    self.stalled.set()
+                if self.stalled.is_set():
+                    return  # hold the connection: never answered, never closed
+                dst.sendall(data)
+
+    def close(self) -> None:
+        self.listener.close()
+        for sock in self.held:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_store_that_stops_answering_cannot_keep_a_finished_run_alive(model_dir, tmp_path, s3):
+    """Under `deepspeed --num_gpus 2`: the object store stops answering when the final checkpoint (step 4) starts
+    to go up. The finished run waits --remote-sync-final-timeout seconds for its last sync, then ends with one
+    line naming what is complete on the remote (step 2) and what is not (step 4), exit 1; the local run folder
+    keeps the complete step 4, and the same command with --resume latest says the run already finished."""
+    store = _StallingStore(int(s3["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]), trigger=ck.tag_for(4).encode())
+    try:
+        sync = (
+            "--save-every-n-steps",
+            "2",
+            "--remote-sync",
+            "s3://ckpt/stall",
+            "--remote-sync-frequency",
+            "3600",
+        )
+        args = _args(model_dir, tmp_path / "logs", "r", *sync, "--remote-sync-final-timeout", "20", steps=4)
+        code, out = _finish(_deepspeed(args, **{**s3, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{store.port}"}))
+        assert store.stalled.is_set(), out[-4000:]
+        assert code != 0, out[-4000:]
+        lines = _error_lines(out)
+        assert len(lines) == 1, out[-4000:]
+        assert "--remote-sync-final-timeout 20 s" in lines[0], lines
+        assert "complete on the remote: step_00000002; not on the remote: step_00000004" in lines[0], lines
+        assert "done: 4 steps" in out
+        run = tmp_path / "logs" / "r"
+        assert (run / "checkpoints" / ck.tag_for(4) / ck.MARKER).exists()
+        assert (run / "checkpoints" / ck.POINTER).read_text() == ck.tag_for(4)
+    finally:
+        store.close()
+    code, out = _finish(
+        _deepspeed([*_args(model_dir, tmp_path / "logs", "r", steps=4), "--resume", "latest"])
+    )
+    assert code == 0 and "already finished at step 4" in out, out[-4000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_remote_sync_with_loader_workers_and_validation_read_once_per_shard(model_dir, tmp_path, s3):
+    """Under `deepspeed --num_gpus 2` with --workers 2, a remote sync every second (a thread beside the training
+    loop in rank 0) and validation every 2 steps on 2 webdataset shards: the loader workers start from a fork
+    server (a fork while another thread holds an interpreter lock can hang the worker: CPython gh-112275), the
+    run finishes with every checkpoint on the remote, and each validation reads each shard once in all (each
+    rank its own shard), not once per rank: every read of a shard is logged by its pipe: command."""
+    from ds_clip.shards import main as shards_main
+
+    assert shards_main(["--synthetic", "16", "--output", str(tmp_path / "val"), "--image-size", "32",
+                        "--samples-per-shard", "8"]) == 0  # fmt: skip
+    reads = tmp_path / "reads.log"
+    val = "::".join(f"pipe:echo {i} >> {reads}; cat {tmp_path / 'val' / f'{i:05d}.tar'}" for i in range(2))
+    args = _args(model_dir, tmp_path / "logs", "w", "--workers", "2", "--save-every-n-steps", "2",
+                 "--remote-sync", "s3://ckpt/workers", "--remote-sync-frequency", "1", "--val-data", val,
+                 "--val-every-n-steps", "2", steps=4)  # fmt: skip
+    code, out = _finish(_deepspeed(args, **s3))
+    assert code == 0, out[-4000:]
+    history = json.loads((tmp_path / "logs" / "w" / "eval_results.json").read_text())
+    assert [h["step"] for h in history] == [2, 4] and all(h["val_samples"] == 16 for h in history)
+    # 2 evaluations x 2 shards, each shard read once per evaluation
+    assert sorted(reads.read_text().split()) == ["0", "0", "1", "1"], reads.read_text()
+    assert "loader workers start from a fork server" in out and "ds_clip-remote-sync" in out, out[-4000:]
+    fs = _s3fs(s3)
+    assert fs.exists(f"ckpt/workers/w/checkpoints/{ck.tag_for(4)}/{ck.MARKER}")
+
+
 # ------------------------------------------------------------------------------------- full disk
 
 

@@ -11,7 +11,6 @@ from typing import Any, Protocol
 
 from ds_clip.checkpoint.layout import (
     MARKER,
-    POINTER,
     SaveError,
     _rank,
 )
@@ -19,11 +18,9 @@ from ds_clip.checkpoint.load import (
     load,
 )
 from ds_clip.checkpoint.save import (
-    remove_partial,
     save,
 )
 from ds_clip.config import CheckpointSettings
-from ds_clip.distributed import broadcast_object
 from ds_clip.geometry import BatchGeometry
 
 logger = logging.getLogger("ds_clip")
@@ -92,11 +89,20 @@ class Checkpointer:
         self.parts = list(parts)
         self.resumed_from: Path | None = None
         """The checkpoint folder ``resume`` loaded (None: a fresh start)."""
+        self._holds: tuple[int, Path] | None = None
+        """(step, folder) of the complete checkpoint that holds the engine's state now (saved or resumed)."""
         self._recent_only: Path | None = None
         """The last checkpoint saved only for --save-most-recent: deleted once a newer one is complete."""
 
     def save(self, step: int, *, recent_only: bool = False) -> Path:
-        """Save now (every rank). A failed save raises SaveError naming the checkpoint, the path and why."""
+        """Save now (every rank). A failed save raises SaveError naming the checkpoint, the path and why.
+        A step whose complete checkpoint already holds this state (saved by this run, or resumed from, with no
+        update since: a stop signal right after a cadence save) is not written again."""
+        held = self._holds
+        if held is not None and held[0] == step and (held[1] / MARKER).exists():
+            if not recent_only and self._recent_only == held[1]:
+                self._recent_only = None  # now a checkpoint of its own cadence: kept
+            return held[1]
         meta = {**self.meta, "epoch": self.data.epoch, "samples_seen": step * self.geometry.global_batch}
         try:
             path = save(
@@ -114,6 +120,7 @@ class Checkpointer:
                 f"{exc}. Free space (or fix the permission) and relaunch with --resume latest; "
                 "--on-save-failure continue keeps training and tries again at the next save"
             ) from None
+        self._holds = (step, path)
         previous, self._recent_only = self._recent_only, (path if recent_only else None)
         if previous is not None and previous != path and _rank() == 0 and previous.exists():
             # The marker goes first (as in prune): a deletion cut short leaves a folder that reads as partial.
@@ -148,21 +155,10 @@ class Checkpointer:
                 )
 
     def resume(self, resume: str, *, shapes: dict[str, list[int]], is_main: bool) -> int:
-        """Load ``--resume`` into the engine and the data position; returns the step to continue from.
-
-        ``--resume latest`` before the run has a complete checkpoint starts from step 0 and says so in one line
-        (open_clip's behaviour): the same command then serves the first start and every restart (an elastic
-        agent's, a re-queued job's). A pointer to a checkpoint that is missing or partial stays an error."""
-        root = self.run_dir / "checkpoints"
-        if is_main:
-            for p in remove_partial(root):
-                logger.warning("removed partial checkpoint %s (a save that was cut short)", p)
-        # Rank 0's view decides for every rank (a collective): all start fresh or all load.
-        fresh = broadcast_object(resume == "latest" and not (root / POINTER).exists())
-        if fresh:
-            if is_main:
-                logger.info("--resume latest: no complete checkpoint in %s yet; starting from scratch", root)
-            return 0
+        """Load the checkpoint ``--resume`` names into the engine and the data position; returns the step to
+        continue from. Whether there is one to load (``--resume latest`` before the run has a complete
+        checkpoint starts from the model's own weights) is decided before the model is built
+        (``ds_clip.weights.agree_start``): this is called only when there is."""
         state = load(
             self.engine,
             self.run_dir,
@@ -173,6 +169,7 @@ class Checkpointer:
         )
         self.data.load_state_dict(state["data"])
         self.resumed_from = Path(state["path"])
+        self._holds = (int(state["step"]), self.resumed_from)
         for part in self.parts:
             part.load_from(self.resumed_from, is_main=is_main)
         if is_main:

@@ -148,7 +148,11 @@ def save(
     tag = tag_for(step)
     path = ckpt_root / tag
     if _rank() == 0 and (path / MARKER).exists():
-        (path / MARKER).unlink()  # rewriting a step (a resumed run): not complete until we say so
+        # Rewriting a complete step (a run resumed from an older checkpoint reaches a step saved before): the
+        # pointer first moves off it, so latest_complete never names a folder that is not complete, even for
+        # a kill or a full disk in the middle of this save.
+        _point_before(ckpt_root, path)
+        (path / MARKER).unlink()  # not complete until we say so
     _barrier()
     client = {"step": step, "settings": settings, **(meta or {})}
     with _SaveGuard(engine, path, checksums) as guard:
@@ -200,6 +204,26 @@ def save(
         prune(ckpt_root, keep)
     _barrier()
     return path
+
+
+def _point_before(ckpt_root: Path, path: Path) -> None:
+    """Rank 0: when latest_complete names ``path``, point it at the newest complete checkpoint before it
+    (atomically), or remove it when there is none."""
+    pointer = ckpt_root / POINTER
+    if not pointer.exists() or pointer.read_text().strip() != path.name:
+        return
+    step = _step_of(path)
+    older = [
+        p
+        for p in ckpt_root.iterdir()
+        if p.is_dir() and (_step_of(p) if _step_of(p) is not None else step) < step and (p / MARKER).exists()
+    ]
+    if not older:
+        pointer.unlink()
+        return
+    tmp = ckpt_root / f".{POINTER}.tmp"
+    tmp.write_text(max(older, key=_step_of).name)
+    os.replace(tmp, pointer)
 
 
 def remove_partial(ckpt_root: Path) -> list[Path]:

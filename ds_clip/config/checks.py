@@ -305,6 +305,7 @@ def check_remote(ck: CheckpointSettings) -> None:
         return
     check_choice("remote_sync_protocol", ck.remote_sync_protocol)
     check_min("remote_sync_frequency", ck.remote_sync_frequency, 1)
+    check_min("remote_sync_final_timeout", ck.remote_sync_final_timeout, 1)
     url = ck.remote_sync
     scheme = url.split("://", 1)[0] if "://" in url else "file"
     need(

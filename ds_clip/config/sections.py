@@ -388,6 +388,10 @@ class CheckpointSettings:
     be reachable and writable at start (else exit 2). docs/remote.md."""
     remote_sync_frequency: int = opt(300, metavar="SECONDS", unit="seconds")
     """Seconds between two syncs of the run folder to --remote-sync."""
+    remote_sync_final_timeout: int = opt(600, metavar="SECONDS", unit="seconds", open_clip="ds_clip only")
+    """Seconds the end of a run waits for its last sync to --remote-sync. When they pass (a store that stopped
+    answering), one line says which checkpoints are and are not complete on the remote, the local run folder
+    is kept as it is, and ds-clip-train exits 1 (docs/remote.md)."""
     remote_sync_protocol: str = opt(
         "s3",
         choices=("s3", "fsspec"),

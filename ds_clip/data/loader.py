@@ -45,7 +45,7 @@ from ds_clip.data.synthetic import SyntheticCaptions
 from ds_clip.data.table import CsvPairs, Report, check_image_paths, read_table
 from ds_clip.data.wds import WebDatasetTrainData
 from ds_clip.geometry import BatchGeometry
-from ds_clip.stop_signals import ignore_in_worker
+from ds_clip.stop_signals import loader_workers
 
 logger = logging.getLogger("ds_clip.data")
 
@@ -104,9 +104,10 @@ class _MapTrainData(TrainData):
         loader = torch.utils.data.DataLoader(
             dataset,
             batch_sampler=sampler,
-            num_workers=self.workers,
             collate_fn=_collate,
-            worker_init_fn=ignore_in_worker,  # a stop signal is the rank's to handle (stop_signals)
+            **loader_workers(
+                self.workers
+            ),  # forkserver; a stop signal is the rank's to handle (stop_signals)
             # Page-locked batches let the step copy them to the GPU with non_blocking=True.
             pin_memory=torch.cuda.is_available(),
             persistent_workers=False,

@@ -1,5 +1,6 @@
-"""The validation samples one rank reads (samples i with i % world == rank): held-out synthetic pairs, a
-CSV/TSV file (open_clip's --val-data), webdataset shards; and the images of a class-folder tree."""
+"""The validation samples one rank reads (of webdataset shards: its own shards when there are at least W; else,
+and of other inputs, samples i with i % world == rank): held-out synthetic pairs, a CSV/TSV file (open_clip's
+--val-data), webdataset shards; and the images of a class-folder tree."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from ds_clip.evaluate.settings import (
     SYNTHETIC_VAL_OFFSET,
     EvalSettings,
 )
-from ds_clip.stop_signals import ignore_in_worker
+from ds_clip.stop_signals import loader_workers
 
 logger = logging.getLogger("ds_clip")
 
@@ -46,42 +47,64 @@ class _SyntheticVal(torch.utils.data.Dataset):
         return idx, self.preprocess(image), torch.as_tensor(self.tokenizer([caption])[0]), label
 
 
+def _wds_raw(urls: list[str], rank: int, world: int, limit: int | None, counter) -> Iterator:
+    """(index, url, raw sample) of this rank's share of the shards' samples, the first ``limit`` in shard order.
+
+    With at least as many shards as ranks each rank reads only its own shards (shards r, r + W, ...): the
+    validation set is read once in all, not once per rank. With fewer shards (or a ``limit`` whose place in the
+    shards is unknown without reading them: no sizes.json entry), every rank reads every shard and keeps samples
+    i with i % W == rank. Either way the indices are unique and in shard order, so the gathered features are in
+    the same order for any W."""
+    from ds_clip.data.wds import iter_shard, listed_sizes
+
+    sizes = listed_sizes(urls) if limit is not None and world > 1 and len(urls) >= world else None
+    if world > 1 and len(urls) >= world and (limit is None or sizes is not None):
+        for i in range(rank, len(urls), world):
+            first = sum(sizes[:i]) if sizes is not None else i << 32  # unique, in shard order
+            for pos, raw in enumerate(iter_shard(urls[i], counter)):
+                if (limit is not None and first + pos >= limit) or (sizes is not None and pos >= sizes[i]):
+                    break
+                yield first + pos, urls[i], raw
+        return
+    index = 0
+    for url in urls:
+        for raw in iter_shard(url, counter):
+            if limit is not None and index >= limit:
+                return
+            if index % world == rank:
+                yield index, url, raw
+            index += 1
+
+
 def _wds_samples(s: EvalSettings, rank: int, world: int, preprocess, tokenizer, classnames) -> Iterator:
-    from ds_clip.data.wds import SkipCounter, decode_sample, expand_urls, iter_shard
+    from ds_clip.data.wds import SkipCounter, decode_sample, expand_urls
 
     image_exts = tuple(k.strip().lower() for k in s.image_key.split(";") if k.strip())
     caption_exts = tuple(k.strip().lower() for k in s.caption_key.split(";") if k.strip())
     counter = SkipCounter()
-    index = 0
-    for url in expand_urls(s.val_data, "--val-data"):
-        for raw in iter_shard(url, counter):
-            if s.val_num_samples is not None and index >= s.val_num_samples:
-                return
-            mine = index % world == rank
-            index += 1
-            if not mine:
-                continue
-            out = decode_sample(
-                raw,
-                image_exts=image_exts,
-                caption_exts=caption_exts,
-                preprocess=preprocess,
-                tokenizer=tokenizer,
+    urls = expand_urls(s.val_data, "--val-data")
+    for index, url, raw in _wds_raw(urls, rank, world, s.val_num_samples, counter):
+        out = decode_sample(
+            raw,
+            image_exts=image_exts,
+            caption_exts=caption_exts,
+            preprocess=preprocess,
+            tokenizer=tokenizer,
+        )
+        if isinstance(out, str):
+            counter.add(out, url, raw.key)
+            continue
+        label = -1
+        if "cls" in raw.data:
+            try:
+                label = int(raw.data["cls"].decode().strip())
+            except ValueError:
+                label = -1
+        elif classnames:
+            label = label_from_caption(
+                raw.data[next(e for e in caption_exts if e in raw.data)].decode(), classnames
             )
-            if isinstance(out, str):
-                counter.add(out, url, raw.key)
-                continue
-            label = -1
-            if "cls" in raw.data:
-                try:
-                    label = int(raw.data["cls"].decode().strip())
-                except ValueError:
-                    label = -1
-            elif classnames:
-                label = label_from_caption(
-                    raw.data[next(e for e in caption_exts if e in raw.data)].decode(), classnames
-                )
-            yield index - 1, out[0], out[1], label
+        yield index, out[0], out[1], label
     pending, messages = counter.take()
     for m in messages:
         logger.warning("val: %s", m)
@@ -142,9 +165,7 @@ def iter_val_batches(
     if s.val_data == SYNTHETIC:
         n = s.val_num_samples or DEFAULT_SYNTHETIC_VAL_SAMPLES
         ds = _SyntheticVal(s, list(range(rank, n, world)), preprocess, tokenizer, classnames)
-        yield from torch.utils.data.DataLoader(
-            ds, batch_size=s.batch_size, num_workers=workers, worker_init_fn=ignore_in_worker
-        )
+        yield from torch.utils.data.DataLoader(ds, batch_size=s.batch_size, **loader_workers(workers))
         return
     read = _table_samples if s.table else _wds_samples
     batch: list = []

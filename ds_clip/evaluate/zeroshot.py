@@ -23,7 +23,7 @@ from ds_clip.evaluate.datasets import (
 )
 from ds_clip.evaluate.metrics import FOLDER_METRIC, IMAGENET_METRICS
 from ds_clip.evaluate.settings import Forward
-from ds_clip.stop_signals import ignore_in_worker
+from ds_clip.stop_signals import loader_workers
 
 logger = logging.getLogger("ds_clip")
 
@@ -173,9 +173,8 @@ def _classify(
     loader = torch.utils.data.DataLoader(
         _ClassImages(samples[rank::world], preprocess),
         batch_size=batch_size,
-        num_workers=workers,
         collate_fn=collate_class_images,
-        worker_init_fn=ignore_in_worker,  # a stop signal is the rank's to handle (stop_signals)
+        **loader_workers(workers),  # forkserver; a stop signal is the rank's to handle (stop_signals)
     )
     # ZeRO-3 gathers parameters inside forward: every rank runs the largest rank's number of forwards.
     n_forward = -(-len(samples[0::world]) // batch_size)

@@ -434,6 +434,42 @@ def test_rank_dies_mid_save_then_resume_removes_partial_and_finishes(model_dir, 
     _assert_same_weights(_weights(run, 6), _weights(reference, 6))
 
 
+def _files(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(f.relative_to(folder)): (f.stat().st_size, f.stat().st_mtime_ns) for f in folder.rglob("*")}
+
+
+def test_a_finished_run_relaunched_and_a_rewritten_step_never_leave_latest_on_a_partial_folder(
+    model_dir, tmp_path
+):
+    """A finished run (4 steps, saved at 2 and 4) launched again with --resume latest, as a re-queued job is,
+    with rank 1 set to die inside any save of step 4: it says the run already finished at step 4 and exits 0
+    without saving, every checkpoint file untouched. Then a resume from step 2 trains steps 3-4 again and
+    rewrites step 4, rank 1 dying halfway: latest_complete has already moved back to step 2 (never naming the
+    folder being rewritten), so `--resume latest` removes the partial step 4, resumes at step 2 and ends with
+    the first run's step-4 weights."""
+    args = _args(model_dir, tmp_path, "again", "--save-every-n-steps", "2", steps=4)
+    ran = _deepspeed(args)
+    assert ran.returncode == 0, ran.out[-4000:]
+    run = tmp_path / "again"
+    first = _weights(run, 4)
+    before = _files(run / "checkpoints")
+
+    ran = _deepspeed([*args, "--resume", "latest"], fault="kill-in-save@4:1")
+    assert ran.returncode == 0, ran.out[-4000:]
+    assert "already finished at step 4" in ran.out, ran.out[-3000:]
+    assert _files(run / "checkpoints") == before
+
+    step2 = str(run / "checkpoints" / _tag(2))
+    ran = _deepspeed([*args, "--resume", step2], fault="kill-in-save@4:1")
+    assert ran.returncode != 0, ran.out[-4000:]
+    assert _latest(run) == _tag(2)
+    assert not (run / "checkpoints" / _tag(4) / "COMPLETE").exists()
+    ran = _deepspeed([*args, "--resume", "latest"])
+    assert ran.returncode == 0 and "at step 2" in ran.out, ran.out[-4000:]
+    assert _latest(run) == _tag(4)
+    _assert_same_weights(_weights(run, 4), first)
+
+
 # ------------------------------------------------------------------------------- 5. unwritable output
 
 

@@ -28,7 +28,14 @@ decoding the samples of one shard).
 
 from ds_clip.data.wds.pipeline import WebDatasetTrainData
 from ds_clip.data.wds.samples import RawSample, SkipCounter, decode_sample, iter_shard, shuffled
-from ds_clip.data.wds.shardlist import SIZES_FILE, count_samples, expand_urls, shard_sizes, shard_weights
+from ds_clip.data.wds.shardlist import (
+    SIZES_FILE,
+    count_samples,
+    expand_urls,
+    listed_sizes,
+    shard_sizes,
+    shard_weights,
+)
 
 __all__ = [
     "SIZES_FILE",
@@ -39,6 +46,7 @@ __all__ = [
     "decode_sample",
     "expand_urls",
     "iter_shard",
+    "listed_sizes",
     "shard_sizes",
     "shard_weights",
     "shuffled",

@@ -31,7 +31,7 @@ from ds_clip.data.decode import FastCrop
 from ds_clip.data.wds.samples import RawSample, SkipCounter, decode_sample, iter_shard, shuffled
 from ds_clip.data.wds.shardlist import expand_urls, shard_sizes, shard_weights
 from ds_clip.geometry import BatchGeometry
-from ds_clip.stop_signals import ignore_in_worker
+from ds_clip.stop_signals import loader_workers
 
 logger = logging.getLogger("ds_clip.data")
 
@@ -293,8 +293,9 @@ class WebDatasetTrainData(TrainData):
         loader = torch.utils.data.DataLoader(
             _WorkerStream(dataclasses.replace(self._pipeline, plan=plan)),
             batch_size=None,
-            worker_init_fn=ignore_in_worker,  # a stop signal is the rank's to handle (stop_signals)
-            num_workers=self.workers,
+            **loader_workers(
+                self.workers
+            ),  # forkserver; a stop signal is the rank's to handle (stop_signals)
             # Page-locked batches let the step copy them to the GPU with non_blocking=True.
             pin_memory=torch.cuda.is_available(),
             persistent_workers=False,

@@ -130,27 +130,37 @@ def _folder(url: str) -> str:
     return os.path.dirname(os.path.abspath(_local_path(url))) if _is_local(url) else url.rsplit("/", 1)[0]
 
 
+def _from_size_files(urls: list[str], pool: ThreadPoolExecutor) -> tuple[list[int | None], int, int]:
+    """Samples per shard from sizes.json, then img2dataset's stats files (None where neither has it), and how
+    many came from each."""
+    sizes: list[int | None] = [None] * len(urls)
+    folders = sorted({_folder(u) for u in urls if not u.startswith("pipe:")})
+    tables = dict(zip(folders, pool.map(lambda f: _sizes_table(f + "/" + SIZES_FILE), folders), strict=True))
+    for i, url in enumerate(urls):
+        if not url.startswith("pipe:"):
+            sizes[i] = tables[_folder(url)].get(url.rsplit("/", 1)[-1])
+    from_table = sum(s is not None for s in sizes)
+    wanted = [i for i, s in enumerate(sizes) if s is None and stats_url(urls[i]) is not None]
+    for i, count in zip(wanted, pool.map(lambda i: _stats_count(stats_url(urls[i])), wanted), strict=True):
+        sizes[i] = count
+    return sizes, from_table, sum(s is not None for s in sizes) - from_table
+
+
+def listed_sizes(urls: list[str], *, threads: int = FETCH_THREADS) -> list[int] | None:
+    """Samples per shard from the size files alone (sizes.json, img2dataset's stats files), without reading a
+    shard; None when some shard has neither."""
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(urls)))) as pool:
+        sizes, _, _ = _from_size_files(urls, pool)
+    return None if None in sizes else [int(s) for s in sizes]  # type: ignore[arg-type]
+
+
 def shard_sizes(urls: list[str], *, threads: int = FETCH_THREADS) -> tuple[list[int], str]:
     """Samples per shard, from the first source that has it: sizes.json beside the shards (open_clip's format,
     local or remote), img2dataset's NNNNN_stats.json beside each shard ("successes"; local or remote), a scan
     of the shard (tar headers only on a local disk, the whole stream otherwise). Files on remote storage are
     fetched `threads` at a time. Returns the sizes and where they came from, in words."""
-    sizes: list[int | None] = [None] * len(urls)
-    folders = sorted({_folder(u) for u in urls if not u.startswith("pipe:")})
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(urls)))) as pool:
-        tables = dict(
-            zip(folders, pool.map(lambda f: _sizes_table(f + "/" + SIZES_FILE), folders), strict=True)
-        )
-        for i, url in enumerate(urls):
-            if not url.startswith("pipe:"):
-                sizes[i] = tables[_folder(url)].get(url.rsplit("/", 1)[-1])
-        from_table = sum(s is not None for s in sizes)
-        wanted = [i for i, s in enumerate(sizes) if s is None and stats_url(urls[i]) is not None]
-        for i, count in zip(
-            wanted, pool.map(lambda i: _stats_count(stats_url(urls[i])), wanted), strict=True
-        ):
-            sizes[i] = count
-        from_stats = sum(s is not None for s in sizes) - from_table
+        sizes, from_table, from_stats = _from_size_files(urls, pool)
         scan = [i for i, s in enumerate(sizes) if s is None]
         remote = sum(not _is_local(urls[i]) for i in scan)
         if remote:
