@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Steps are optimizer steps; pairs are image-text samples.",
     )
     p.add_argument(
-        "--version", action=_PrintVersions, nargs=0, default=argparse.SUPPRESS,
+        "--version", action=_PrintVersions, nargs=0, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
         help="print the versions of ds_clip, torch, DeepSpeed, open_clip, webdataset, huggingface_hub and "
         "transformers on one line, and exit",
     )  # fmt: skip
