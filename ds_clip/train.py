@@ -105,8 +105,7 @@ def dry_run(s: TrainSettings) -> None:
     accelerator); the settings and the JSON are printed as the run folder would get them. No process group,
     no model, no files written."""
     from ds_clip.distributed import accelerator_name  # (deepspeed's accelerator, not a process group)
-    from ds_clip.ds_config import resolve_deepspeed
-    from ds_clip.engine import resolve_geometry
+    from ds_clip.ds_config import format_sources, resolve_deepspeed, resolve_geometry
     from ds_clip.evaluate import check_train_inputs
     from ds_clip.presets import precision_mapping_text
 
@@ -125,6 +124,10 @@ def dry_run(s: TrainSettings) -> None:
         f"# DeepSpeed JSON for world size {world_size} on the {ds.accelerator} accelerator (ds_config.json)"
     )
     print(ds.json_text)
+    print("# where each DeepSpeed key came from (flag, JSON file, auto <- what filled it, default, ds_clip)")
+    print(format_sources(ds))
+    for note in ds.notes:
+        print(f"# {note}")
     _print_published(s)
     print("# dry run: the flags are good; nothing was started", flush=True)
 

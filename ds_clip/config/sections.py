@@ -574,6 +574,18 @@ class TrainSettings:
     eval: EvalSectionSettings = field(default_factory=EvalSectionSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     dist: DistSettings = field(default_factory=DistSettings)
+    sources: dict[str, str] | None = field(default=None, compare=False, repr=False)
+    """Where each field's value came from, by field name: "flag" (given on the command line), "recipe",
+    "ds_json" (a key of the --ds-config file), "derived" (m from train_batch_size at start); a field not
+    listed holds its default. ``parse_settings`` fills it; settings built with ``TrainSettings.of`` have None,
+    and then every field counts as chosen (``chosen``)."""
+
+    def chosen(self, name: str) -> bool:
+        """Did the user choose field ``name`` (a flag or a recipe; for settings not parsed from a command line,
+        any field)? A value the JSON gave, or a default, is not a choice a JSON key can conflict with."""
+        if self.sources is None:
+            return True
+        return self.sources.get(name) in ("flag", "recipe")
 
     @classmethod
     def section_types(cls) -> dict[str, type]:
@@ -593,5 +605,7 @@ class TrainSettings:
 
 
 _SECTIONS: dict[str, type] = {
-    f.name: typing.get_type_hints(TrainSettings)[f.name] for f in dataclasses.fields(TrainSettings)
+    f.name: typing.get_type_hints(TrainSettings)[f.name]
+    for f in dataclasses.fields(TrainSettings)
+    if dataclasses.is_dataclass(typing.get_type_hints(TrainSettings)[f.name])
 }
