@@ -479,8 +479,10 @@ def optimizer_section(cfg: dict[str, Any], settle: Settle, o: OptimSettings, zer
     label = settle.label
     ds_type, params = optimizer_block(o)
     if o.optimizer == "lamb" and zero.cpu_optimizer:
+        block = cfg.get("optimizer") if (settle.s.sources or {}).get("optimizer") == "ds_json" else None
+        asked = f"optimizer.type={js(block.get('type'))}" if isinstance(block, dict) else "--opt lamb"
         raise SettingsError(
-            f"--opt lamb with zero_optimization.offload_optimizer in {label}: DeepSpeed 0.19.8 builds FusedLamb, "
+            f"{asked} with zero_optimization.offload_optimizer in {label}: DeepSpeed 0.19.8 builds FusedLamb, "
             "a CUDA kernel with no CPU version, for the offloaded states: use an optimizer without offload or "
             "--opt adamw or lion"
         )
