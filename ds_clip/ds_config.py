@@ -71,9 +71,18 @@ def optimizer_blocker(
     offloaded ("offloaded") "Lion" builds DeepSpeedCPULion (a C++ op, compiled on first use). AdamW and SGD
     run anywhere.
     """
+    what = asked or f"--opt {optimizer}"
+    if optimizer == "muon":
+        import deepspeed
+        from deepspeed.runtime import config as ds_runtime_config
+
+        if not hasattr(ds_runtime_config, "MUON_OPTIMIZER"):
+            return (
+                f"{what}: DeepSpeed {deepspeed.__version__} has no Muon optimizer (it ships with DeepSpeed's Muon "
+                "support, pull request 7509; ds_clip is tested with 0.19.8): upgrade DeepSpeed"
+            )
     if accelerator == "cuda":
         return None
-    what = asked or f"--opt {optimizer}"
     if optimizer == "lamb":
         return (
             f"{what}: DeepSpeed 0.19.8 builds FusedLamb, a CUDA kernel, and this machine's accelerator is "

@@ -529,9 +529,17 @@ def scheduler_section(cfg: dict[str, Any], settle: Settle, o: OptimSettings) -> 
             settle.filled["scheduler.params.warmup_min_lr"] = "0 (warmup from zero)"
         settle(params, "warmup_max_lr", o.lr, "scheduler.params.warmup_max_lr", "--lr", o.lr)
     if kind in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
-        settle(
-            params, "warmup_num_steps", o.warmup, "scheduler.params.warmup_num_steps", "--warmup", o.warmup
-        )
+        # DeepSpeed 0.19.8's warmup schedulers refuse warmup_num_steps < 1 (WarmupLR warms up over max(2, n)):
+        # --warmup 0 (ds_clip's default) fills an absent or "auto" key with 1.
+        steps = o.warmup
+        if steps < 1 and (is_auto(params.get("warmup_num_steps")) or "warmup_num_steps" not in params):
+            steps = 1
+        settle(params, "warmup_num_steps", steps, "scheduler.params.warmup_num_steps", "--warmup", steps)
+        if not (isinstance(params["warmup_num_steps"], int) and params["warmup_num_steps"] >= 1):
+            raise SettingsError(
+                f"scheduler.params.warmup_num_steps={js(params['warmup_num_steps'])} in {label}: DeepSpeed's "
+                f"{kind} needs a whole number >= 1"
+            )
     for key, value in params.items():
         if is_auto(value) and key != "total_num_steps":
             raise SettingsError(

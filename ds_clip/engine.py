@@ -23,7 +23,7 @@ from ds_clip.ds_config import ResolvedDeepSpeed, fill_start_keys, resolve_deepsp
 from ds_clip.geometry import BatchGeometry
 from ds_clip.loss import ContrastiveLoss, LossSpec, resolve_impl
 from ds_clip.model import ModelBundle, Teacher, build_model, prepare_for_deepspeed
-from ds_clip.optim import format_groups, param_groups_for
+from ds_clip.optim import format_groups, format_muon_split, param_groups_for, pin_muon_tags
 from ds_clip.schedule import build_scheduler, schedule_for
 
 logger = logging.getLogger("ds_clip")
@@ -196,8 +196,14 @@ def build_engine(
     fill_start_keys(ds_json, hidden_size=hidden_size(bundle.model), total_steps=total_steps)
     # Per-tower groups, each with its own "lr"/"weight_decay"; the schedule scales each from its own peak.
     groups, group_table = param_groups_for(bundle.model, optim)
+    muon_split = pin_muon_tags(bundle.model) if optim.optimizer == "muon" else None
     if rank == 0:
         _log_choices(ds, optim, group_table)
+        if muon_split is not None:
+            logger.info(
+                "--opt muon: DeepSpeed's Muon on the towers' hidden matrices\n%s",
+                format_muon_split(*muon_split),
+            )
     # A JSON's scheduler block: DeepSpeed builds it from the config and steps it once per optimizer step (each
     # engine.step() of the cached step); else ds_clip's --lr-scheduler.
     lr_scheduler = None

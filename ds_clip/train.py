@@ -128,8 +128,20 @@ def dry_run(s: TrainSettings) -> None:
     print(format_sources(ds))
     for note in ds.notes:
         print(f"# {note}")
+    if s.optim.optimizer == "muon":
+        _print_muon_split(s)
     _print_published(s)
     print("# dry run: the flags are good; nothing was started", flush=True)
+
+
+def _print_muon_split(s: TrainSettings) -> None:
+    """--opt muon: which parameters DeepSpeed's Muon trains and which its AdamW (the model is built, no weights)."""
+    from ds_clip.engine import build_model_bundle
+    from ds_clip.optim import format_muon_split, pin_muon_tags
+
+    bundle = build_model_bundle(s.model, seed=s.data.seed, resuming=True)
+    print("# --opt muon: the towers' hidden matrices in Muon, the rest in AdamW")
+    print(format_muon_split(*pin_muon_tags(bundle.model)))
 
 
 def _k_table(s: TrainSettings) -> str:

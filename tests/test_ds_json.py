@@ -119,6 +119,8 @@ def test_auto_is_filled_from_flags_and_defaults():
     assert sources["managed_gradient_accumulation"].startswith("ds_clip")
     # ZeRO buckets that depend on the model's hidden size are filled when the model is built.
     s, ds = _resolve(["--ds-config", str(PUBLIC / "hf-accelerate_ds_config_zero3.json")])
+    # --warmup 0 (the default) fills WarmupLR's "auto" warmup_num_steps with 1, the least DeepSpeed takes.
+    assert ds.config["scheduler"]["params"]["warmup_num_steps"] == 1
     assert dict(ds.start_keys) == {
         "zero_optimization.reduce_bucket_size": "the model's hidden size at start",
         "zero_optimization.stage3_prefetch_bucket_size": "the model's hidden size at start",
@@ -364,3 +366,32 @@ def _flat(node, path=""):
     if isinstance(node, dict) and node:
         return [leaf for k, v in node.items() for leaf in _flat(v, f"{path}.{k}" if path else k)]
     return [(path, node)]
+
+
+def test_muon_from_the_json_and_the_flag_prints_its_split_in_dry_run(tmp_path, capsys):
+    from ds_clip.train import main
+    from ds_clip_harness.models import E2E_MODEL
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "open_clip_config.json").write_text(
+        json.dumps({"model_cfg": E2E_MODEL, "preprocess_cfg": {}})
+    )
+    model = f"local-dir:{tmp_path / 'm'}"
+    muon = _json(
+        tmp_path, {"zero_optimization": {"stage": 1}, "optimizer": {"type": "Muon", "params": {"lr": 0.02}}}
+    )
+    for argv in (["--ds-config", muon], ["--opt", "muon", "--lr", "0.02"]):
+        assert main(["--dry-run", "--model", model, *argv]) == 0
+        out = capsys.readouterr().out
+        split = out.split("# --opt muon: the towers' hidden matrices in Muon, the rest in AdamW\n")[1]
+        muon_line, adam_line = split.splitlines()[:2]
+        assert (
+            muon_line.startswith("Muon (")
+            and "visual.transformer.resblocks.0.attn.in_proj_weight" in muon_line
+        )
+        assert (
+            adam_line.startswith("AdamW (")
+            and "visual.conv1.weight" in adam_line
+            and "logit_scale" in adam_line
+        )
+        assert '"type": "Muon"' in out

@@ -180,7 +180,7 @@ def test_fp16_step_matches_single_process_full_batch(case, runs, oracles):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_two_ranks_accum2_train_like_four_ranks(case, runs, models):
     """2 ranks x k=2 and 4 ranks x k=1 (same m, same global batch) reach the same parameters after
-    3 AdamW steps, and see the same loss at every step: the promise '4 GPUs x accum 2 trains like
+    3 optimizer steps (AdamW; Muon with its AdamW in the muon cases), and see the same loss at every step: the promise '4 GPUs x accum 2 trains like
     8 GPUs', on this ZeRO stage, precision and loss.
 
     fp32: every entry agrees to 1% of one AdamW step (lr); a dropped micro-batch, a miscounted

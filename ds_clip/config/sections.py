@@ -270,15 +270,17 @@ class OptimSettings:
         "adamw",
         flag="--opt",
         metavar="NAME",
-        open_clip="differs: DeepSpeed's config-built adamw, lamb, lion, sgd (open_clip: adamw or timm/NAME)",
+        open_clip="differs: DeepSpeed's config-built adamw, adam, lamb, lion, muon, sgd (open_clip: adamw or timm/NAME)",
     )
     """Optimizer, built by DeepSpeed from its JSON (so ZeRO partitions it and offload presets run it on the
-    CPU): "adamw" (torch AdamW; DeepSpeed's CPU Adam under offload), "lamb" (DeepSpeed's FusedLamb: CUDA
-    only, no offload), "lion" (FusedLion on CUDA, DeepSpeed's CPU Lion under offload; on a CPU-only machine
-    only with an offload preset), "sgd" (torch SGD, --momentum). Per-tower groups and the LR schedule apply
-    to each."""
-    momentum: float | None = opt(None, metavar="M", default_text="0 (--opt sgd only)")
-    """Momentum of --opt sgd (the other optimizers have --beta1/--beta2 instead)."""
+    CPU): "adamw" (torch AdamW; DeepSpeed's CPU Adam under offload), "adam" (DeepSpeed's Adam with L2 weight
+    decay), "lamb" (DeepSpeed's FusedLamb: CUDA only, no offload), "lion" (FusedLion on CUDA, DeepSpeed's CPU Lion
+    under offload; on a CPU-only machine only with an offload preset), "muon" (DeepSpeed's Muon on both towers'
+    hidden matrices, its AdamW on embeddings, the patch stem, projections, logit scale/bias, norms and biases),
+    "sgd" (torch SGD, --momentum). A --ds-config file's optimizer block sets it when the flag is left out.
+    Per-tower groups and the LR schedule apply to each."""
+    momentum: float | None = opt(None, metavar="M", default_text="0 (--opt sgd); DeepSpeed's (--opt muon)")
+    """Momentum of --opt sgd and of Muon's matrices under --opt muon (the others have --beta1/--beta2)."""
     skip_scheduler: bool = opt(False)
     """No LR schedule: every group trains at its peak LR from the first step (no warmup, no decay), as
     open_clip without a scheduler."""
