@@ -96,6 +96,27 @@ def optimizer_blocker(
     return None
 
 
+def zero_config_blocker(cfg: dict[str, Any], label: str) -> str | None:
+    """Why DeepSpeed's own reading of the zero_optimization section refuses it (a value out of its range, e.g.
+    reduce_bucket_size 0 in DeepSpeed 0.19.8), else None: one line instead of pydantic's traceback from inside
+    ``deepspeed.initialize``. "auto" keys filled at start are read as 1 here."""
+    import deepspeed
+    import pydantic
+    from deepspeed.runtime.zero.config import get_zero_config
+
+    zero = {k: 1 if is_auto(v) else v for k, v in (cfg.get("zero_optimization") or {}).items()}
+    try:
+        get_zero_config({"zero_optimization": zero})
+    except pydantic.ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(part) for part in err["loc"])
+        return (
+            f"zero_optimization.{where}={js(err.get('input'))} in {label}: DeepSpeed {deepspeed.__version__} "
+            f"refuses it ({err['msg'].lower()})"
+        )
+    return None
+
+
 def bn_sync_blocker(use_bn_sync: bool, accelerator: str) -> str | None:
     """Why --use-bn-sync cannot run here, else None: torch's SyncBatchNorm forward refuses CPU tensors whenever
     a process group exists, one rank included (torch.nn.SyncBatchNorm.forward: "expected input tensor to be on
@@ -208,6 +229,8 @@ class ResolvedDeepSpeed:
     """Why --precision cannot run on ``accelerator`` (``precision_blocker``), else None."""
     hardware_blocker: str | None = None
     """Why ``accelerator`` cannot serve a key of the JSON (NVMe offload, CUDA-only ops), else None."""
+    zero_config_blocker: str | None = None
+    """Why DeepSpeed's own reading refuses the JSON's zero_optimization section (``zero_config_blocker``)."""
     notes: tuple[str, ...] = ()
     """One line each: what the JSON's keys became (k as cached accumulation, torch_autocast's precision) and
     every passed flag that kept its value over the file's; logged at start and printed by --dry-run."""
@@ -343,6 +366,7 @@ def resolve_deepspeed(
             bn_sync_blocker=bn_sync_blocker(s.model.use_bn_sync, accelerator),
             precision_blocker=precision_blocker(dist.precision, accelerator, prec_asked),
             hardware_blocker=hardware_blocker(cfg, src.label, accelerator),
+            zero_config_blocker=zero_config_blocker(cfg, src.label),
         )
     return ResolvedDeepSpeed(
         json_text=json.dumps(cfg, indent=2),

@@ -1,5 +1,6 @@
-"""Parameter groups for DeepSpeed's config-built AdamW: per-tower peak LR and weight decay, layer-wise LR
-decay per tower (EVA-CLIP's --visual-lr/--text-lr/--visual-wd/--text-wd/--visual-ld/--text-ld), and
+"""Parameter groups for DeepSpeed's config-built optimizer: per-tower peak LR and weight decay, layer-wise LR
+decay per tower (EVA-CLIP's --visual-lr/--text-lr/--visual-wd/--text-wd/--visual-ld/--text-ld), which
+parameters --opt muon trains with Muon (``pin_muon_tags``), and
 open_clip's no-decay rule inside every tower.
 
 Towers, by parameter name:
