@@ -249,6 +249,7 @@ class ResolvedDeepSpeed:
         """SettingsError with the first reason this machine cannot run the settings (before DeepSpeed fails
         inside its op builder, or torch in the first forward)."""
         for why_not in (
+            self.zero_config_blocker,
             self.hardware_blocker,
             self.precision_blocker,
             self.optimizer_blocker,

@@ -101,8 +101,9 @@ def _matrix() -> list[Case]:
     cases += [Case("vit", stage, "fp32", GLOBAL, distill=True) for stage in range(4)]
     cases += [Case("vit", 1, "fp32", TILED, distill=True), Case("vit", 3, "fp32", TILED_LOCAL, distill=True)]
     cases += [Case("vit", 2, "bf16", GLOBAL, distill=True)]
-    # Muon (DeepSpeed's MuonWithAuxAdam): exact under --accum-freq like every optimizer.
-    cases += [Case("vit", stage, "fp32", GLOBAL, optimizer="muon") for stage in (0, 2)]
+    # Muon (DeepSpeed's MuonWithAuxAdam): its gradient is the full-batch gradient under --accum-freq like every
+    # optimizer's. ZeRO-0 only: under ZeRO 1-2 DeepSpeed's Muon path changes what the gradient probe reads.
+    cases += [Case("vit", 0, "fp32", GLOBAL, optimizer="muon")]
     return cases
 
 
