@@ -395,3 +395,15 @@ def test_muon_from_the_json_and_the_flag_prints_its_split_in_dry_run(tmp_path, c
             and "logit_scale" in adam_line
         )
         assert '"type": "Muon"' in out
+
+
+def test_a_zero_value_deepspeed_rejects_is_one_line_naming_the_key():
+    """transformers' ZeRO-3 test file sets reduce_bucket_size 0, which DeepSpeed 0.19.8's config reader rejects:
+    one line before any engine, not pydantic's traceback from deepspeed.initialize."""
+    path = str(PUBLIC / "hf-transformers_ds_config_zero3.json")
+    s, ds = _resolve(["--ds-config", path])
+    with pytest.raises(SettingsError) as e:
+        ds.refuse_blocked()
+    assert str(e.value).startswith(
+        f"zero_optimization.reduce_bucket_size=0 in {path}: DeepSpeed 0.19.8 refuses it"
+    )
