@@ -96,13 +96,23 @@ def optimizer_blocker(
     return None
 
 
-def zero_config_blocker(cfg: dict[str, Any], label: str) -> str | None:
-    """Why DeepSpeed's own reading of the zero_optimization section refuses it (a value out of its range, e.g.
-    reduce_bucket_size 0 in DeepSpeed 0.19.8), else None: one line instead of pydantic's traceback from inside
+def deepspeed_blocker(cfg: dict[str, Any], label: str) -> str | None:
+    """Why DeepSpeed's own reading of the JSON refuses it, else None: a key it has removed (its
+    ``_reject_removed_config_keys``: elasticity, curriculum_learning, ...), or a zero_optimization value out of its
+    range (reduce_bucket_size 0 in DeepSpeed 0.19.8). One line instead of a traceback from inside
     ``deepspeed.initialize``. "auto" keys filled at start are read as 1 here."""
     import deepspeed
     import pydantic
+    from deepspeed.runtime import config as ds_runtime_config
     from deepspeed.runtime.zero.config import get_zero_config
+
+    reject = getattr(ds_runtime_config, "_reject_removed_config_keys", None)
+    if reject is not None:
+        try:
+            reject(cfg)
+        except ds_runtime_config.DeepSpeedConfigError as exc:
+            key = next((k for k in cfg if k in str(exc) or f"'{k}'" in str(exc)), "a key")
+            return f"{key} in {label}: DeepSpeed {deepspeed.__version__} removed it ({str(exc).split('. See')[0]})"
 
     zero = {k: 1 if is_auto(v) else v for k, v in (cfg.get("zero_optimization") or {}).items()}
     try:
@@ -229,8 +239,8 @@ class ResolvedDeepSpeed:
     """Why --precision cannot run on ``accelerator`` (``precision_blocker``), else None."""
     hardware_blocker: str | None = None
     """Why ``accelerator`` cannot serve a key of the JSON (NVMe offload, CUDA-only ops), else None."""
-    zero_config_blocker: str | None = None
-    """Why DeepSpeed's own reading refuses the JSON's zero_optimization section (``zero_config_blocker``)."""
+    deepspeed_blocker: str | None = None
+    """Why DeepSpeed's own reading refuses the JSON: a removed key, a zero_optimization value out of range."""
     notes: tuple[str, ...] = ()
     """One line each: what the JSON's keys became (k as cached accumulation, torch_autocast's precision) and
     every passed flag that kept its value over the file's; logged at start and printed by --dry-run."""
@@ -249,8 +259,8 @@ class ResolvedDeepSpeed:
         """SettingsError with the first reason this machine cannot run the settings (before DeepSpeed fails
         inside its op builder, or torch in the first forward)."""
         for why_not in (
-            self.zero_config_blocker,
             self.hardware_blocker,
+            self.deepspeed_blocker,
             self.precision_blocker,
             self.optimizer_blocker,
             self.bn_sync_blocker,
@@ -331,8 +341,8 @@ def resolve_deepspeed(
     original = load_preset(preset)
     cfg = copy.deepcopy(original)
     settle = Settle(src.label, s)
-    refuse_not_done(cfg, src.label)
-    notes = batch_keys(cfg, src, s, world_size)
+    notes = refuse_not_done(cfg, src.label)
+    notes += batch_keys(cfg, src, s, world_size)
     zero = zero_stage(cfg, src.label, s)
     precision_sections(cfg, settle, zero.stage)
     clipping(cfg, settle, o.grad_clip_norm)
@@ -367,7 +377,7 @@ def resolve_deepspeed(
             bn_sync_blocker=bn_sync_blocker(s.model.use_bn_sync, accelerator),
             precision_blocker=precision_blocker(dist.precision, accelerator, prec_asked),
             hardware_blocker=hardware_blocker(cfg, src.label, accelerator),
-            zero_config_blocker=zero_config_blocker(cfg, src.label),
+            deepspeed_blocker=deepspeed_blocker(cfg, src.label),
         )
     return ResolvedDeepSpeed(
         json_text=json.dumps(cfg, indent=2),

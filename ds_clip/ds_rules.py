@@ -262,9 +262,20 @@ def _enabled(value: Any) -> bool:
     return value is not None
 
 
-def refuse_not_done(cfg: dict[str, Any], label: str) -> None:
+def refuse_not_done(cfg: dict[str, Any], label: str) -> list[str]:
     """Keys for things ds_clip does not do, by key (logging and legacy keys pass: steps_per_print,
-    wall_clock_breakdown, zero_allow_untested_optimizer, flops_profiler, ...)."""
+    wall_clock_breakdown, zero_allow_untested_optimizer, flops_profiler, ...). A disabled apex ``amp`` section
+    (DeepSpeed 0.19.8 removed apex, and refuses the key even when off) is dropped, one note saying so."""
+    notes = []
+    amp = cfg.get("amp")
+    if isinstance(amp, dict) and amp.get("enabled", False) is False:
+        del cfg["amp"]
+        notes.append(f"amp (NVIDIA apex, removed from DeepSpeed 0.19.8) is disabled in {label}: dropped")
+    elif amp is not None:
+        raise SettingsError(
+            f"amp.enabled=true in {label}: NVIDIA apex's amp was removed from DeepSpeed 0.19.8 (and ran on CUDA "
+            "only); use a bf16 or fp16 section, or torch_autocast"
+        )
     for key, what in _NOT_DONE.items():
         if key in cfg and _enabled(cfg[key]):
             raise SettingsError(f"{key} in {label}: ds_clip does not run {what}; remove it")
@@ -275,6 +286,7 @@ def refuse_not_done(cfg: dict[str, Any], label: str) -> None:
             f"zero_optimization.zero_hpz_partition_size={hpz} in {label}: ZeRO++'s secondary weight partition is "
             "not run by ds_clip (its cached step re-runs each forward, and hpZ's copies are untested there); remove it"
         )
+    return notes
 
 
 def hardware_blocker(cfg: dict[str, Any], label: str, accelerator: str) -> str | None:
@@ -295,9 +307,6 @@ def hardware_blocker(cfg: dict[str, Any], label: str, accelerator: str) -> str |
                 f"zero_optimization.{key}=true in {label}: ZeRO++'s quantization runs CUDA kernels, and this "
                 f"machine's accelerator is {accelerator}: remove it"
             )
-    amp = cfg.get("amp")
-    if isinstance(amp, dict) and amp.get("enabled") is True:
-        return f"amp.enabled=true in {label}: NVIDIA apex's amp runs on CUDA GPUs only; use bf16 or fp32"
     return None
 
 

@@ -77,7 +77,8 @@ public DeepSpeed files of Hugging Face, DeepSpeedExamples, DeepSpeed and EVA-CLI
 | `optimizer.params.lr / betas / eps / weight_decay / momentum` | `--lr`, `--beta1/--beta2`, `--eps`, `--wd`, `--momentum` | engine choices (`torch_adam`, `adam_w_mode`, `bias_correction`, Lamb's coefficients, Muon's `muon_lr`/`adam_lr`) pass on |
 | `scheduler` (`WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `OneCycle`) | the LR schedule, built by DeepSpeed | `warmup_num_steps` -> `--warmup`; refused with `--lr-scheduler`, and one-LR schedulers with per-tower LRs |
 | `elasticity`, tensor/pipeline/sequence parallel, inference, compression, curriculum sections | refused, naming the key | what ds_clip does not do |
-| NVMe offload, ZeRO++ quantization, apex `amp` | refused on a machine without CUDA, naming key and hardware | |
+| NVMe offload, ZeRO++ quantization | refused on a machine without CUDA, naming key and hardware | |
+| keys DeepSpeed 0.19.8 removed or rejects (apex `amp` enabled, `reduce_bucket_size: 0`) | refused, naming the key | a disabled `amp` section is dropped |
 | `gradient_allreduce_op`, `managed_gradient_accumulation` | the accumulation step's values | the step relies on them |
 
 Also refused: fp16 with ZeRO stage 0 (DeepSpeed 0.19.x gives updates ~loss-scale times too small

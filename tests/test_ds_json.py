@@ -407,3 +407,11 @@ def test_a_zero_value_deepspeed_rejects_is_one_line_naming_the_key():
     assert str(e.value).startswith(
         f"zero_optimization.reduce_bucket_size=0 in {path}: DeepSpeed 0.19.8 refuses it"
     )
+
+
+def test_apex_amp_off_is_dropped_and_on_is_refused(tmp_path):
+    """DeepSpeed 0.19.8 removed apex and refuses an "amp" key even when it is off (EVA-CLIP's files have one)."""
+    s, ds = _resolve(["--ds-config", _json(tmp_path, {"amp": {"enabled": False, "opt_level": "O2"}})])
+    assert "amp" not in ds.config and any(n.startswith("amp (NVIDIA apex") for n in ds.notes)
+    with pytest.raises(SettingsError, match="amp.enabled=true in .*: NVIDIA apex's amp was removed"):
+        parse_settings(["--ds-config", _json(tmp_path, {"amp": {"enabled": True}})])
