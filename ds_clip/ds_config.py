@@ -26,12 +26,15 @@ from ds_clip.ds_rules import (
     COALESCE_ENGINE_KEYS,
     STEP_ENGINE_KEYS,
     USER_SOURCE,
+    Settle,
     batch_keys,
     check_no_accumulation,
     clipping,
     coalescing,
     enabled_precision,
     engine_batch,
+    fill_start_keys,
+    hardware_blocker,
     js,
     json_object,
     optimizer_block,
@@ -40,11 +43,16 @@ from ds_clip.ds_rules import (
     quiet_engine,
     read_zero,
     refuse_fp16_on_zero0,
+    refuse_not_done,
+    same_value,
+    scheduler_section,
+    start_auto_keys,
     step_keys,
     trainer_source,
     zero_stage,
 )
-from ds_clip.presets import PRESET_DIR, SettingsError, list_presets, load_preset, preset_label
+from ds_clip.geometry import BatchGeometry, GeometryError
+from ds_clip.presets import PRESET_DIR, SettingsError, is_auto, list_presets, load_preset, preset_label
 
 if TYPE_CHECKING:  # duck-typed: ds_clip.config imports this module to check the preset
     from ds_clip.config import TrainSettings
@@ -53,7 +61,9 @@ if TYPE_CHECKING:  # duck-typed: ds_clip.config imports this module to check the
 # ---------------------------------------------------------------------------------- what runs where
 
 
-def optimizer_blocker(optimizer: str, *, offloaded: bool, accelerator: str) -> str | None:
+def optimizer_blocker(
+    optimizer: str, *, offloaded: bool, accelerator: str, asked: str | None = None
+) -> str | None:
     """Why DeepSpeed 0.19.8 cannot build --opt on this accelerator ("cuda", "cpu", ...), else None.
 
     Measured on the CPU accelerator: "Lamb" builds FusedLamb and "Lion" FusedLion, CUDA kernels the CPU
@@ -61,17 +71,58 @@ def optimizer_blocker(optimizer: str, *, offloaded: bool, accelerator: str) -> s
     offloaded ("offloaded") "Lion" builds DeepSpeedCPULion (a C++ op, compiled on first use). AdamW and SGD
     run anywhere.
     """
+    what = asked or f"--opt {optimizer}"
+    if optimizer == "muon":
+        import deepspeed
+        from deepspeed.runtime import config as ds_runtime_config
+
+        if not hasattr(ds_runtime_config, "MUON_OPTIMIZER"):
+            return (
+                f"{what}: DeepSpeed {deepspeed.__version__} has no Muon optimizer (it ships with DeepSpeed's Muon "
+                "support, pull request 7509; ds_clip is tested with 0.19.8): upgrade DeepSpeed"
+            )
     if accelerator == "cuda":
         return None
     if optimizer == "lamb":
         return (
-            f"--opt lamb: DeepSpeed 0.19.8 builds FusedLamb, a CUDA kernel, and this machine's accelerator is "
+            f"{what}: DeepSpeed 0.19.8 builds FusedLamb, a CUDA kernel, and this machine's accelerator is "
             f"{accelerator}: use --opt adamw, lion (with an offload preset) or sgd, or a CUDA machine"
         )
     if optimizer == "lion" and not offloaded:
         return (
-            f"--opt lion: on the {accelerator} accelerator DeepSpeed 0.19.8 has only its CPU Lion, used when the "
+            f"{what}: on the {accelerator} accelerator DeepSpeed 0.19.8 has only its CPU Lion, used when the "
             "optimizer is offloaded: add --ds-config zero2_offload_fp32 (or another *_offload_* preset)"
+        )
+    return None
+
+
+def deepspeed_blocker(cfg: dict[str, Any], label: str) -> str | None:
+    """Why DeepSpeed's own reading of the JSON refuses it, else None: a key it has removed (its
+    ``_reject_removed_config_keys``: elasticity, curriculum_learning, ...), or a zero_optimization value out of its
+    range (reduce_bucket_size 0 in DeepSpeed 0.19.8). One line instead of a traceback from inside
+    ``deepspeed.initialize``. "auto" keys filled at start are read as 1 here."""
+    import deepspeed
+    import pydantic
+    from deepspeed.runtime import config as ds_runtime_config
+    from deepspeed.runtime.zero.config import get_zero_config
+
+    reject = getattr(ds_runtime_config, "_reject_removed_config_keys", None)
+    if reject is not None:
+        try:
+            reject(cfg)
+        except ds_runtime_config.DeepSpeedConfigError as exc:
+            key = next((k for k in cfg if k in str(exc) or f"'{k}'" in str(exc)), "a key")
+            return f"{key} in {label}: DeepSpeed {deepspeed.__version__} removed it ({str(exc).split('. See')[0]})"
+
+    zero = {k: 1 if is_auto(v) else v for k, v in (cfg.get("zero_optimization") or {}).items()}
+    try:
+        get_zero_config({"zero_optimization": zero})
+    except pydantic.ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(part) for part in err["loc"])
+        return (
+            f"zero_optimization.{where}={js(err.get('input'))} in {label}: DeepSpeed {deepspeed.__version__} "
+            f"refuses it ({err['msg'].lower()})"
         )
     return None
 
@@ -88,7 +139,7 @@ def bn_sync_blocker(use_bn_sync: bool, accelerator: str) -> str | None:
     )
 
 
-def precision_blocker(precision: str, accelerator: str) -> str | None:
+def precision_blocker(precision: str, accelerator: str, asked: str | None = None) -> str | None:
     """Why --precision cannot run on this machine's accelerator, else None: DeepSpeed refuses fp16 where its
     accelerator has none (``initialize`` raises ValueError "fp16 is not supported on this device"; the CPU
     accelerator has fp16 only with AVX512-FP16)."""
@@ -100,7 +151,7 @@ def precision_blocker(precision: str, accelerator: str) -> str | None:
     if acc.device_name() != accelerator or acc.is_fp16_supported():
         return None
     return (
-        f"--precision amp, fp16 or pure_fp16 (DeepSpeed fp16): this machine's {accelerator} accelerator has no fp16 "
+        f"{asked or '--precision amp, fp16 or pure_fp16'} (DeepSpeed fp16): this machine's {accelerator} accelerator has no fp16 "
         "support "
         "(DeepSpeed's CPU accelerator needs AVX512-FP16); use --precision amp_bf16 (bf16) or fp32"
     )
@@ -186,6 +237,18 @@ class ResolvedDeepSpeed:
     """Why --use-bn-sync cannot run on ``accelerator`` (``bn_sync_blocker``), else None."""
     precision_blocker: str | None = None
     """Why --precision cannot run on ``accelerator`` (``precision_blocker``), else None."""
+    hardware_blocker: str | None = None
+    """Why ``accelerator`` cannot serve a key of the JSON (NVMe offload, CUDA-only ops), else None."""
+    deepspeed_blocker: str | None = None
+    """Why DeepSpeed's own reading refuses the JSON: a removed key, a zero_optimization value out of range."""
+    notes: tuple[str, ...] = ()
+    """One line each: what the JSON's keys became (k as cached accumulation, torch_autocast's precision) and
+    every passed flag that kept its value over the file's; logged at start and printed by --dry-run."""
+    sources: tuple[tuple[str, str], ...] = ()
+    """Every effective key (dotted path) and where its value came from: "flag --lr", "JSON file", "auto <- ...",
+    "default (--lr)", "ds_clip (...)" (``key_sources``)."""
+    start_keys: tuple[tuple[str, str], ...] = ()
+    """"auto" keys filled at start (``fill_start_keys``: the model's hidden size, the run's length) and from what."""
 
     @property
     def config(self) -> dict[str, Any]:
@@ -195,16 +258,71 @@ class ResolvedDeepSpeed:
     def refuse_blocked(self) -> None:
         """SettingsError with the first reason this machine cannot run the settings (before DeepSpeed fails
         inside its op builder, or torch in the first forward)."""
-        for why_not in (self.precision_blocker, self.optimizer_blocker, self.bn_sync_blocker):
+        for why_not in (
+            self.hardware_blocker,
+            self.deepspeed_blocker,
+            self.precision_blocker,
+            self.optimizer_blocker,
+            self.bn_sync_blocker,
+        ):
             if why_not is not None:
                 raise SettingsError(why_not)
+
+
+def resolve_geometry(s: TrainSettings, world_size: int) -> BatchGeometry:
+    """W, k, m of a run of ``s`` on ``world_size`` ranks: --accum-freq k, or k = N / (W*m) from
+    --global-batch-size N, or (a JSON's train_batch_size without train_micro_batch_size_per_gpu) m = N / (k*W), as
+    DeepSpeed derives it. SettingsError (exit 2, before any engine) when they do not divide: the message names the
+    flags, or the JSON's keys, and the numbers."""
+    o = s.optim
+    sources = s.sources or {}
+    m = o.batch_size
+    try:
+        if sources.get("batch_size") == "derived":
+            k, n = o.accum_freq or 1, o.global_batch_size or 0
+            if n % (k * world_size):
+                raise GeometryError(
+                    f"m = N / (k x W) is no whole number: {k} x {world_size} = {k * world_size}"
+                )
+            m = n // (k * world_size)
+        return BatchGeometry.derive(world_size, m, accum_freq=o.accum_freq, global_batch=o.global_batch_size)
+    except GeometryError as exc:
+        if "ds_json" not in {sources.get(f) for f in ("batch_size", "accum_freq", "global_batch_size")} and (
+            sources.get("batch_size") != "derived"
+        ):
+            raise SettingsError(str(exc)) from None
+        raise SettingsError(_triple_message(s, world_size, m, str(exc))) from None
+
+
+def _triple_message(s: TrainSettings, world_size: int, m: int, why: str) -> str:
+    """One line for a batch triple (some of it from the JSON) that does not divide on ``world_size`` ranks."""
+    o, sources = s.optim, s.sources or {}
+    label = preset_label(s.dist.ds_config or "")
+    parts = []
+    for key, fld, flag in (("train_batch_size", "global_batch_size", "--global-batch-size"),
+                           ("train_micro_batch_size_per_gpu", "batch_size", "--batch-size"),
+                           ("gradient_accumulation_steps", "accum_freq", "--accum-freq")):  # fmt: skip
+        value = getattr(o, fld)
+        if sources.get(fld) == "ds_json":
+            parts.append(f"{key}={value}")
+        elif sources.get(fld) in ("flag", "recipe") and value is not None:
+            parts.append(f"{flag} {value}")
+    n = o.global_batch_size
+    k = o.accum_freq
+    shown_m = "m" if sources.get("batch_size") == "derived" else m
+    formula = f"N = m x k x W: {n} = {shown_m} x {k or 'k'} x {world_size}" if n else ""
+    return (
+        f"the batch of {label} ({', '.join(parts)}) does not divide on {world_size} "
+        f"rank{'s' if world_size != 1 else ''}: {formula} has no whole solution ({why.split(' (')[0]}); "
+        "launch a world size that divides it or change the keys"
+    )
 
 
 def resolve_deepspeed(
     s: TrainSettings, world_size: int | None, *, accelerator: str | None = None
 ) -> ResolvedDeepSpeed:
-    """Preset + flags -> the resolved DeepSpeed side of a run; SettingsError naming the key and flag that
-    disagree.
+    """Preset or JSON + settings -> the resolved DeepSpeed side of a run; SettingsError naming the key (and the
+    flag) that cannot run.
 
     ``world_size`` None (validation, before any process group): every rule but the batch keys' world size.
     With the world size, the JSON has train_batch_size = m * W and gradient_accumulation_steps = 1: every
@@ -220,25 +338,46 @@ def resolve_deepspeed(
     else:
         preset = dist.ds_config
     src = trainer_source(preset)
-    cfg = copy.deepcopy(load_preset(preset))
-    batch_keys(cfg, src, o.batch_size, world_size)
+    original = load_preset(preset)
+    cfg = copy.deepcopy(original)
+    settle = Settle(src.label, s)
+    notes = refuse_not_done(cfg, src.label)
+    notes += batch_keys(cfg, src, s, world_size)
     zero = zero_stage(cfg, src.label, s)
-    precision_sections(cfg, src.label, s, zero.stage)
-    clipping(cfg, src.label, o.grad_clip_norm)
-    optimizer_section(cfg, src.label, o, zero)
+    precision_sections(cfg, settle, zero.stage)
+    clipping(cfg, settle, o.grad_clip_norm)
+    optimizer_section(cfg, settle, o, zero)
+    scheduler = scheduler_section(cfg, settle, o)
+    if scheduler is not None and s.sources is None:
+        raise SettingsError(
+            f"scheduler in {src.label}: ds_clip runs its own LR schedule (--lr-scheduler, --lr, --warmup) for "
+            "settings not parsed from a command line; remove the scheduler section"
+        )
     required, blocker = coalescing(cfg, dist.coalesce_grad_reduction, zero, dist.precision, src)
     step_keys(cfg, required, src)
     if world_size is not None:
-        engine_batch(cfg, o.batch_size, world_size)
+        engine_batch(cfg, resolve_geometry(s, world_size).micro_batch_size, world_size)
     quiet_engine(cfg)
+    start_keys = start_auto_keys(cfg, src.label)
     blockers: dict[str, str | None] = {}
     if accelerator is not None:
+        sources = s.sources or {}
+        opt_asked = (
+            f"optimizer.type={js(cfg['optimizer']['type'])} in {src.label}"
+            if sources.get("optimizer") == "ds_json"
+            else None
+        )
+        prec_asked = (
+            f"the enabled fp16 section of {src.label}" if sources.get("precision") == "ds_json" else None
+        )
         blockers = dict(
             optimizer_blocker=optimizer_blocker(
-                o.optimizer, offloaded=zero.cpu_optimizer, accelerator=accelerator
+                o.optimizer, offloaded=zero.cpu_optimizer, accelerator=accelerator, asked=opt_asked
             ),
             bn_sync_blocker=bn_sync_blocker(s.model.use_bn_sync, accelerator),
-            precision_blocker=precision_blocker(dist.precision, accelerator),
+            precision_blocker=precision_blocker(dist.precision, accelerator, prec_asked),
+            hardware_blocker=hardware_blocker(cfg, src.label, accelerator),
+            deepspeed_blocker=deepspeed_blocker(cfg, src.label),
         )
     return ResolvedDeepSpeed(
         json_text=json.dumps(cfg, indent=2),
@@ -247,8 +386,100 @@ def resolve_deepspeed(
         coalesce_fallback=blocker if dist.coalesce_grad_reduction == "auto" else None,
         world_size=world_size,
         accelerator=accelerator,
+        notes=tuple(notes + settle.notes),
+        sources=tuple(key_sources(original, cfg, s, settle.filled, start_keys)),
+        start_keys=tuple(start_keys.items()),
         **blockers,
     )
+
+
+# The keys that hold a setting's value, by dotted path -> the field (its flag names it).
+_KEY_FIELDS = {
+    "train_micro_batch_size_per_gpu": "batch_size",
+    "gradient_clipping": "grad_clip_norm",
+    "optimizer.type": "optimizer",
+    "optimizer.params.lr": "lr",
+    "optimizer.params.betas": "beta1",
+    "optimizer.params.eps": "eps",
+    "optimizer.params.weight_decay": "wd",
+    "optimizer.params.momentum": "momentum",
+    "bf16.enabled": "precision",
+    "fp16.enabled": "precision",
+    "zero_optimization.stage": "zero_stage",
+    "scheduler.params.warmup_num_steps": "warmup",
+    "scheduler.params.warmup_max_lr": "lr",
+}
+_OPTIONS = {
+    "batch_size": "--batch-size", "grad_clip_norm": "--grad-clip-norm", "optimizer": "--opt", "lr": "--lr",
+    "beta1": "--beta1/--beta2", "eps": "--eps", "wd": "--wd", "momentum": "--momentum", "precision": "--precision",
+    "zero_stage": "--zero-stage", "warmup": "--warmup",
+}  # fmt: skip
+_MISSING = object()
+
+
+def _leaves(node: Any, path: str = "") -> list[tuple[str, Any]]:
+    if isinstance(node, dict) and node:
+        return [leaf for k, v in node.items() for leaf in _leaves(v, f"{path}.{k}" if path else k)]
+    return [(path, node)]
+
+
+def _lookup(node: Any, path: str) -> Any:
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def key_sources(
+    original: dict[str, Any], cfg: dict[str, Any], s: TrainSettings, filled: dict[str, str],
+    start_keys: dict[str, str],
+) -> list[tuple[str, str]]:  # fmt: skip
+    """Where each effective key of ``cfg`` came from, next to the file the user gave (``original``): "flag --x",
+    "recipe", "JSON file", "auto <- ..." (filled from a flag or a default), "default (--x)" or "ds_clip (...)"
+    (a key ds_clip's step sets itself)."""
+    sources = s.sources or {}
+
+    def field_source(fld: str) -> str:
+        option = _OPTIONS[fld]
+        how = sources.get(fld)
+        if how == "flag" or (s.sources is None):
+            return f"flag {option}"
+        if how == "recipe":
+            return f"recipe ({option})"
+        if how in ("ds_json", "derived"):
+            return "JSON file"
+        return f"default ({option})"
+
+    out = []
+    for path, value in _leaves(cfg):
+        before = _lookup(original, path)
+        fld = _KEY_FIELDS.get(path)
+        if path in start_keys:
+            out.append((path, f"auto <- {start_keys[path]}"))
+        elif is_auto(before):
+            what = filled.get(path)
+            out.append((path, f"auto <- {field_source(fld) if fld else what or 'ds_clip'}"))
+        elif path in ("train_batch_size", "gradient_accumulation_steps"):
+            out.append((path, "ds_clip (one micro-batch per engine step; k runs as cached accumulation)"))
+        elif before is not _MISSING and same_value(before, value):
+            out.append((path, "JSON file"))
+        elif fld is not None:
+            out.append((path, field_source(fld)))
+        elif before is not _MISSING:
+            out.append((path, "ds_clip (over the file's value)"))
+        else:
+            out.append((path, "ds_clip"))
+    return out
+
+
+def format_sources(ds: ResolvedDeepSpeed) -> str:
+    """--dry-run's table: every effective DeepSpeed key, its value and where it came from."""
+    cfg = ds.config
+    rows = [(path, js(_lookup(cfg, path)), source) for path, source in ds.sources]
+    width = max(len(p) for p, _, _ in rows)
+    vwidth = min(24, max(len(v) for _, v, _ in rows))
+    return "\n".join(f"{p:<{width}}  {v:<{vwidth}}  {src}" for p, v, src in rows)
 
 
 def check_preset(s: TrainSettings) -> None:
@@ -304,13 +535,20 @@ def step_engine_config(config: dict[str, Any], *, coalesce: bool = False) -> dic
     return cfg
 
 
-def write_run_files(run_dir: Path, settings: dict[str, Any], ds: ResolvedDeepSpeed) -> None:
-    """Write settings.json (`config.settings_to_dict`) and ds_config.json (the resolved JSON, indented) into
-    the run folder. Rank 0 only."""
+def write_run_files(
+    run_dir: Path,
+    settings: dict[str, Any],
+    ds: ResolvedDeepSpeed,
+    engine_config: dict[str, Any] | None = None,
+) -> None:
+    """Write settings.json (`config.settings_to_dict`) and ds_config.json (the resolved JSON, indented; or
+    ``engine_config``, the one the engine was built from, its start "auto" keys filled) into the run folder.
+    Rank 0 only."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
-    (run_dir / "ds_config.json").write_text(ds.json_text + "\n")
+    text = ds.json_text if engine_config is None else json.dumps(engine_config, indent=2)
+    (run_dir / "ds_config.json").write_text(text + "\n")
 
 
 __all__ = [
@@ -319,6 +557,9 @@ __all__ = [
     "STEP_ENGINE_KEYS",
     "ResolvedDeepSpeed",
     "SettingsError",
+    "fill_start_keys",
+    "format_sources",
+    "resolve_geometry",
     "bn_sync_blocker",
     "check_preset",
     "default_preset",

@@ -11,10 +11,18 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ds_clip.presets import OPTIMIZERS, SettingsError, preset_label
+from ds_clip.presets import (
+    ONE_LR_SCHEDULERS,
+    OPTIMIZERS,
+    SettingsError,
+    is_auto,
+    optimizer_of,
+    preset_label,
+    scheduler_block,
+)
 
 if TYPE_CHECKING:  # duck-typed: ds_clip.config imports ds_clip.ds_config to check the preset
     from ds_clip.config import OptimSettings, TrainSettings
@@ -109,6 +117,13 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+def same_value(a: Any, b: Any) -> bool:
+    """Equal as a DeepSpeed JSON means it (2e8 == 200000000, [0.9, 0.98] == (0.9, 0.98)); dicts key by key."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    return _same(a, b)
+
+
 def js(value: Any) -> str:
     return json.dumps(value)
 
@@ -129,6 +144,34 @@ def json_object(cfg: dict[str, Any], key: str, label: str) -> None:
         raise SettingsError(f"{key} in {label} must be a JSON object")
 
 
+@dataclass
+class Settle:
+    """Writes ds_clip's resolved settings into a JSON's keys, in one way for every rule: an absent or "auto" key
+    gets the setting (recorded in ``filled``); a key the file sets to the same value stays; a key the file sets
+    to another value is either a flag the user passed over the file's value (parsed settings: the flag wins,
+    one line in ``notes``) or, for settings not parsed from a command line (``TrainSettings.of``, which cannot
+    tell a choice from a default), a conflict naming both."""
+
+    label: str
+    s: Any
+    """The TrainSettings (``chosen``, ``sources``)."""
+    notes: list[str] = field(default_factory=list)
+    filled: dict[str, str] = field(default_factory=dict)
+    """Key path -> the flag whose value filled its "auto"."""
+
+    def __call__(
+        self, section: dict[str, Any], key: str, value: Any, path: str, flag: str, shown: Any
+    ) -> None:
+        """Set ``section[key]`` (``path`` in messages) to ``value``, the value of ``flag`` (shown as ``shown``)."""
+        if key in section and is_auto(section[key]):
+            self.filled[path] = flag
+        elif key in section and not _same(section[key], value):
+            if self.s.sources is None:
+                raise _conflict(path, section[key], self.label, flag, shown)
+            self.notes.append(f"{flag} {shown} over {path}={js(section[key])} in {self.label}")
+        section[key] = value
+
+
 # ------------------------------------------------------------------------------------------------ rules
 
 
@@ -138,28 +181,133 @@ def check_no_accumulation(value: Any, src: Source) -> None:
         raise SettingsError(f"gradient_accumulation_steps={js(value)} in {src.label}: {src.accum_hint}")
 
 
-def batch_keys(cfg: dict[str, Any], src: Source, m: int, world_size: int | None) -> None:
-    """Take the batch keys out of a preset: m per rank per pass, one engine step per pass (they are written
-    back for the world size at the end, ``engine_batch``); a preset may only repeat them."""
+def batch_keys(cfg: dict[str, Any], src: Source, s: TrainSettings, world_size: int | None) -> list[str]:
+    """Take the batch keys out of a JSON (they are written back for the geometry at the end, ``engine_batch``)
+    and say what they became: parsed settings already hold the file's triple (config.ds_json; the geometry
+    checks it against the world size at start), so its k runs as exact cached accumulation. Settings not parsed
+    from a command line may only repeat their own m (and k = 1), as before."""
     label = src.label
-    check_no_accumulation(cfg.pop("gradient_accumulation_steps", 1), src)
-    mb = cfg.pop("train_micro_batch_size_per_gpu", m)
-    if not _same(mb, m):
-        raise _conflict("train_micro_batch_size_per_gpu", mb, label, "--batch-size", m)
+    gas = cfg.pop("gradient_accumulation_steps", None)
+    mb = cfg.pop("train_micro_batch_size_per_gpu", None)
     tbs = cfg.pop("train_batch_size", None)
-    if tbs is not None and world_size is None and not (isinstance(tbs, int) and tbs >= m and tbs % m == 0):
-        raise SettingsError(
-            f"train_batch_size={js(tbs)} in {label} is not a multiple of --batch-size {m}: drop it"
-        )
-    if tbs is not None and world_size is not None and not _same(tbs, m * world_size):
-        raise SettingsError(
-            f"train_batch_size={js(tbs)} in {label} is not --batch-size x world size = {m} x {world_size}: "
-            f"drop it; {src.accum_hint}"
-        )
     if "elasticity" in cfg:
         raise SettingsError(
             f"elasticity in {label}: it changes batch sizes, which come from --batch-size/--accum-freq"
         )
+    o = s.optim
+    if s.sources is None:
+        m = o.batch_size
+        check_no_accumulation(1 if gas is None or is_auto(gas) else gas, src)
+        if mb is not None and not is_auto(mb) and not _same(mb, m):
+            raise _conflict("train_micro_batch_size_per_gpu", mb, label, "--batch-size", m)
+        if tbs is not None and not is_auto(tbs):
+            if world_size is None and not (isinstance(tbs, int) and tbs >= m and tbs % m == 0):
+                raise SettingsError(
+                    f"train_batch_size={js(tbs)} in {label} is not a multiple of --batch-size {m}: drop it"
+                )
+            if world_size is not None and not _same(tbs, m * world_size):
+                raise SettingsError(
+                    f"train_batch_size={js(tbs)} in {label} is not --batch-size x world size = {m} x {world_size}: "
+                    f"drop it; {src.accum_hint}"
+                )
+        return []
+    notes = []
+    if gas is not None and not is_auto(gas) and s.sources.get("accum_freq") == "ds_json" and gas != 1:
+        notes.append(
+            f"gradient_accumulation_steps={js(gas)} in {label} runs as --accum-freq {gas}: exact cached "
+            "accumulation (one loss over all k micro-batches); the engine runs with gradient_accumulation_steps=1"
+        )
+    for key, value, fld in (("train_micro_batch_size_per_gpu", mb, "batch_size"),
+                            ("gradient_accumulation_steps", gas, "accum_freq"),
+                            ("train_batch_size", tbs, "global_batch_size")):  # fmt: skip
+        given = getattr(o, fld)
+        if value is not None and not is_auto(value) and s.chosen(fld) and not _same(value, given):
+            notes.append(f"{_FLAG_OF[fld]} {given} over {key}={js(value)} in {label}")
+    return notes
+
+
+_FLAG_OF = {
+    "batch_size": "--batch-size",
+    "accum_freq": "--accum-freq",
+    "global_batch_size": "--global-batch-size",
+}
+
+
+# Sections for what ds_clip does not do (each would change the model or the data it trains, or serves inference
+# only): refused by key when enabled (a section present with "enabled": false, or an empty one, is fine).
+_NOT_DONE = {
+    "tensor_parallel": "tensor parallelism (ds_clip is data parallel: every rank holds the whole model)",
+    "pipeline": "pipeline parallelism (ds_clip is data parallel)",
+    "sequence_parallel_size": "sequence parallelism (ds_clip is data parallel)",
+    "hybrid_engine": "DeepSpeed-Chat's hybrid inference engine",
+    "inference": "an inference-only section",
+    "replace_with_kernel_inject": "inference kernel injection",
+    "compression_training": "compression training (quantization or pruning of the model)",
+    "curriculum_learning": "curriculum learning (it changes the data per step)",
+    "data_efficiency": "data efficiency (it changes the data per step)",
+    "progressive_layer_drop": "progressive layer drop (it changes the model per step)",
+    "sparse_attention": "sparse attention kernels (it changes the model)",
+    "autotuning": "autotuning (it launches experiments, not a training run)",
+    "moe": "mixture of experts",
+}
+
+
+def _enabled(value: Any) -> bool:
+    if isinstance(value, dict):
+        return bool(value) and value.get("enabled", True) is not False
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        return value > 1
+    return value is not None
+
+
+def refuse_not_done(cfg: dict[str, Any], label: str) -> list[str]:
+    """Keys for things ds_clip does not do, by key (logging and legacy keys pass: steps_per_print,
+    wall_clock_breakdown, zero_allow_untested_optimizer, flops_profiler, ...). A disabled apex ``amp`` section
+    (DeepSpeed 0.19.8 removed apex, and refuses the key even when off) is dropped, one note saying so."""
+    notes = []
+    amp = cfg.get("amp")
+    if isinstance(amp, dict) and amp.get("enabled", False) is False:
+        del cfg["amp"]
+        notes.append(f"amp (NVIDIA apex, removed from DeepSpeed 0.19.8) is disabled in {label}: dropped")
+    elif amp is not None:
+        raise SettingsError(
+            f"amp.enabled=true in {label}: NVIDIA apex's amp was removed from DeepSpeed 0.19.8 (and ran on CUDA "
+            "only); use a bf16 or fp16 section, or torch_autocast"
+        )
+    for key, what in _NOT_DONE.items():
+        if key in cfg and _enabled(cfg[key]):
+            raise SettingsError(f"{key} in {label}: ds_clip does not run {what}; remove it")
+    zero = cfg.get("zero_optimization") or {}
+    hpz = zero.get("zero_hpz_partition_size", 1) if isinstance(zero, dict) else 1
+    if isinstance(hpz, int) and hpz > 1:
+        raise SettingsError(
+            f"zero_optimization.zero_hpz_partition_size={hpz} in {label}: ZeRO++'s secondary weight partition is "
+            "not run by ds_clip (its cached step re-runs each forward, and hpZ's copies are untested there); remove it"
+        )
+    return notes
+
+
+def hardware_blocker(cfg: dict[str, Any], label: str, accelerator: str) -> str | None:
+    """Why this machine's accelerator cannot serve a key of the JSON (NVMe offload, CUDA-only ops), else None."""
+    if accelerator == "cuda":
+        return None
+    zero = cfg.get("zero_optimization") or {}
+    for key in ("offload_optimizer", "offload_param"):
+        section = zero.get(key) or {}
+        if isinstance(section, dict) and section.get("device") == "nvme":
+            return (
+                f'zero_optimization.{key}.device="nvme" in {label}: NVMe offload needs DeepSpeed\'s async I/O op on '
+                f'a CUDA machine with an NVMe drive, and this machine\'s accelerator is {accelerator}: use "cpu"'
+            )
+    for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
+        if zero.get(key) is True:
+            return (
+                f"zero_optimization.{key}=true in {label}: ZeRO++'s quantization runs CUDA kernels, and this "
+                f"machine's accelerator is {accelerator}: remove it"
+            )
+    return None
 
 
 def read_zero(zero: dict[str, Any], label: str) -> ZeroFacts:
@@ -179,6 +327,10 @@ def zero_stage(cfg: dict[str, Any], label: str, s: TrainSettings) -> ZeroFacts:
     zero = cfg.setdefault("zero_optimization", {})
     if not isinstance(zero, dict):
         raise SettingsError(f"zero_optimization in {label} must be a JSON object")
+    if zero.get("cpu_offload") is True and "offload_optimizer" not in zero:
+        # DeepSpeed's legacy spelling of offload_optimizer.device "cpu" (still accepted by 0.19.8's config).
+        del zero["cpu_offload"]
+        zero["offload_optimizer"] = {"device": "cpu"}
     if dist.zero_stage is not None:
         zero["stage"] = dist.zero_stage
     stage = zero.setdefault("stage", 0)
@@ -212,20 +364,30 @@ def refuse_fp16_on_zero0(precision: str, stage: Any, what: str, fix: str) -> Non
         )
 
 
-def precision_sections(cfg: dict[str, Any], label: str, s: TrainSettings, stage: Any) -> None:
-    """Exactly the section --precision names is enabled (a preset may repeat it, not contradict it)."""
+def precision_sections(cfg: dict[str, Any], settle: Settle, stage: Any) -> None:
+    """Exactly the section --precision names is enabled ("auto" filled; the file's own enabled section has
+    become --precision when the flag was left out, config.ds_json). torch_autocast runs as the --precision it
+    maps to (its dtype's bf16 or fp16: DeepSpeed's low-precision weights with an fp32 master copy)."""
+    label, s = settle.label, settle.s
     precision = s.dist.precision
     if "bfloat16" in cfg:  # DeepSpeed's old spelling; it reads it only when "bf16" is absent
         if "bf16" in cfg:
             raise SettingsError(f"{label} has both bf16 and bfloat16 sections: keep bf16")
         cfg["bf16"] = cfg.pop("bfloat16")
+    autocast = cfg.get("torch_autocast")
+    if isinstance(autocast, dict) and autocast.get("enabled") is True:
+        if s.sources is None:
+            raise _conflict("torch_autocast.enabled", True, label, "--precision", precision)
+        settle.notes.append(
+            f"torch_autocast in {label} runs as --precision {precision}: DeepSpeed {precision} (low-precision "
+            "weights, fp32 master copy in the optimizer), ds_clip's mapping of open_clip's amp names"
+        )
+        autocast["enabled"] = False
     for key, wanted in (("bf16", precision == "bf16"), ("fp16", precision == "fp16")):
         section = cfg.setdefault(key, {})
         if not isinstance(section, dict):
             raise SettingsError(f"{key} in {label} must be a JSON object")
-        if "enabled" in section and not _same(section["enabled"], wanted):
-            raise _conflict(f"{key}.enabled", section["enabled"], label, "--precision", precision)
-        section["enabled"] = wanted
+        settle(section, "enabled", wanted, f"{key}.enabled", "--precision", precision)
     if cfg["fp16"]["enabled"]:
         cfg["fp16"].setdefault("loss_scale", 0)  # 0: dynamic loss scaling
         flagged = ", --zero-stage 0" if s.dist.zero_stage == 0 else ""
@@ -233,9 +395,6 @@ def precision_sections(cfg: dict[str, Any], label: str, s: TrainSettings, stage:
             precision, stage, f"--precision fp16 with ZeRO stage 0 ({label}{flagged})",
             "--precision bf16 or --zero-stage 1, 2 or 3",
         )  # fmt: skip
-    autocast = cfg.get("torch_autocast")
-    if isinstance(autocast, dict) and autocast.get("enabled"):
-        raise _conflict("torch_autocast.enabled", True, label, "--precision", precision)
 
 
 def enabled_precision(cfg: dict[str, Any]) -> str:
@@ -247,87 +406,162 @@ def enabled_precision(cfg: dict[str, Any]) -> str:
     return "bf16" if enabled("bf16") or enabled("bfloat16") else ("fp16" if enabled("fp16") else "fp32")
 
 
-def clipping(cfg: dict[str, Any], label: str, grad_clip_norm: float | None) -> None:
+def clipping(cfg: dict[str, Any], settle: Settle, grad_clip_norm: float | None) -> None:
     clip = 0.0 if grad_clip_norm is None else float(grad_clip_norm)
-    if "gradient_clipping" in cfg and not _same(cfg["gradient_clipping"], clip):
-        raise _conflict(
-            "gradient_clipping", cfg["gradient_clipping"], label, "--grad-clip-norm", grad_clip_norm
-        )
-    cfg["gradient_clipping"] = clip
+    settle(cfg, "gradient_clipping", clip, "gradient_clipping", "--grad-clip-norm", grad_clip_norm)
 
 
 def optimizer_block(o: OptimSettings) -> tuple[str, dict[str, Any]]:
     """--opt -> DeepSpeed's optimizer "type" and the params it takes from the flags (each optimizer only
     the hyper-parameters its class has; per-group lr and weight_decay come with the parameter groups)."""
     params: dict[str, Any] = {"lr": o.lr, "weight_decay": o.wd}
-    if o.optimizer in ("adamw", "lamb", "lion"):
+    if o.optimizer in ("adamw", "adam", "lamb", "lion", "muon"):
         params["betas"] = [o.beta1, o.beta2]
-    if o.optimizer in ("adamw", "lamb"):
+    if o.optimizer in ("adamw", "adam", "lamb", "muon"):
         params["eps"] = o.eps
+    if o.optimizer == "adam":
+        params["adam_w_mode"] = False  # L2: weight decay added to the gradient (DeepSpeed's Adam)
     if o.optimizer == "sgd":
         params["momentum"] = 0.0 if o.momentum is None else o.momentum
+    if o.optimizer == "muon" and o.momentum is not None:
+        params["momentum"] = o.momentum
     return OPTIMIZERS[o.optimizer], params
 
 
-# A preset's optimizer params that repeat a flag, and AdamW's engine choices (which kernel runs the same update).
+# A JSON's optimizer params that are a flag's value, by key: the flag and the value it holds.
 _OPTIMIZER_FLAGS = {
     "lr": "--lr", "betas": "--beta1/--beta2", "eps": "--eps", "weight_decay": "--wd", "momentum": "--momentum"
 }  # fmt: skip
-_ADAMW_ENGINE_CHOICES = ("torch_adam", "foreach", "fused", "fp32_optimizer_states", "adam_w_mode")
+# Each optimizer's engine choices a JSON may add (which kernel runs the update, its own extra terms); they pass
+# on to the class DeepSpeed builds as written.
+_ENGINE_CHOICES = {
+    "adamw": (
+        "torch_adam",
+        "foreach",
+        "fused",
+        "fp32_optimizer_states",
+        "adam_w_mode",
+        "bias_correction",
+        "amsgrad",
+    ),
+    "lamb": ("bias_correction", "max_coeff", "min_coeff", "eps_inside_sqrt", "amsgrad"),
+    "lion": (),
+    "muon": ("muon_lr", "adam_lr", "ns_method", "torch_adam", "adam_w_mode"),
+    "sgd": ("nesterov", "dampening"),
+}
+_ENGINE_CHOICES["adam"] = _ENGINE_CHOICES["adamw"]
 
 
-def _preset_optimizer_params(
-    preset_opt: Any, label: str, o: OptimSettings, ds_type: str, params: dict
-) -> None:
-    """A preset's optimizer block must name --opt's optimizer and repeat the flags' values; AdamW's kernel
-    choices pass on into ``params``."""
-    if not isinstance(preset_opt, dict):
+def _json_optimizer_params(block: Any, settle: Settle, o: OptimSettings, params: dict[str, Any]) -> str:
+    """A JSON's optimizer block: its hyper-parameters are the flags' values (``settle``), its engine choices pass on
+    into ``params``; returns the "type" as the file spells it."""
+    label = settle.label
+    if not isinstance(block, dict):
         raise SettingsError(f"optimizer in {label} must be a JSON object")
-    opt_type = preset_opt.get("type", "AdamW")
-    if str(opt_type).lower() != ds_type.lower():
-        raise _conflict("optimizer.type", opt_type, label, "--opt", o.optimizer)
-    for key, value in (preset_opt.get("params") or {}).items():
-        if key in _OPTIMIZER_FLAGS and key in params:
-            if not _same(value, params[key]):
-                shown = params[key] if key != "betas" else f"{o.beta1}/{o.beta2}"
-                raise _conflict(f"optimizer.params.{key}", value, label, _OPTIMIZER_FLAGS[key], shown)
-        elif key == "adam_w_mode" and not value:
-            raise _conflict("optimizer.params.adam_w_mode", value, label, "--wd", "(decoupled AdamW decay)")
-        elif o.optimizer == "adamw" and key in _ADAMW_ENGINE_CHOICES:
-            params[key] = value  # engine choices: which Adam kernel runs the same update
+    kind = block.get("type", "AdamW")
+    given = block.get("params") or {}
+    if not isinstance(given, dict):
+        raise SettingsError(f"optimizer.params in {label} must be a JSON object")
+    if optimizer_of(kind, given, label) != o.optimizer:
+        raise _conflict("optimizer.type", kind, label, "--opt", o.optimizer)
+    merged = dict(given)
+    for key in list(params):
+        shown = params[key] if key != "betas" else f"{o.beta1}/{o.beta2}"
+        if key in _OPTIMIZER_FLAGS:
+            settle(merged, key, params[key], f"optimizer.params.{key}", _OPTIMIZER_FLAGS[key], shown)
+    for key, value in merged.items():
+        if key in _OPTIMIZER_FLAGS:
+            params[key] = value
+        elif key in _ENGINE_CHOICES[o.optimizer]:
+            params[key] = value
         else:
             raise SettingsError(
-                f"optimizer.params.{key} in {label} is not an engine setting ds_clip passes on: remove it"
+                f"optimizer.params.{key} in {label} is not a setting of DeepSpeed's {kind} that ds_clip passes on: "
+                "remove it"
             )
+    return str(kind)
 
 
-def optimizer_section(cfg: dict[str, Any], label: str, o: OptimSettings, zero: ZeroFacts) -> None:
-    """--opt from the flags (DeepSpeed builds it from the JSON); the LR schedule is ds_clip's own."""
-    if "scheduler" in cfg:
-        raise SettingsError(
-            f"scheduler in {label}: ds_clip runs its own LR schedule (--lr-scheduler, --lr, --warmup); "
-            "remove the scheduler section"
-        )
+def optimizer_section(cfg: dict[str, Any], settle: Settle, o: OptimSettings, zero: ZeroFacts) -> None:
+    """The optimizer DeepSpeed builds from the JSON: --opt and its flags, or the file's block with its engine
+    choices (the hyper-parameters are the settings', which the file's values became unless a flag was passed)."""
+    label = settle.label
     ds_type, params = optimizer_block(o)
     if o.optimizer == "lamb" and zero.cpu_optimizer:
+        block = cfg.get("optimizer") if (settle.s.sources or {}).get("optimizer") == "ds_json" else None
+        asked = f"optimizer.type={js(block.get('type'))}" if isinstance(block, dict) else "--opt lamb"
         raise SettingsError(
-            f"--opt lamb with zero_optimization.offload_optimizer in {label}: DeepSpeed 0.19.8 builds FusedLamb, "
+            f"{asked} with zero_optimization.offload_optimizer in {label}: DeepSpeed 0.19.8 builds FusedLamb, "
             "a CUDA kernel with no CPU version, for the offloaded states: use an optimizer without offload or "
             "--opt adamw or lion"
         )
     if cfg.get("optimizer") is not None:
-        _preset_optimizer_params(cfg["optimizer"], label, o, ds_type, params)
+        ds_type = _json_optimizer_params(cfg["optimizer"], settle, o, params)
+    if o.optimizer in ("adamw", "adam"):
+        _adam_kernel(params, zero, label)
+    cfg["optimizer"] = {"type": ds_type, "params": params}
+
+
+def _adam_kernel(params: dict[str, Any], zero: ZeroFacts, label: str) -> None:
+    """Which kernel runs DeepSpeed's Adam/AdamW update."""
     # torch.optim.AdamW runs anywhere (FusedAdam needs a CUDA build); with the optimizer offloaded to the
     # CPU, DeepSpeed's own CPU Adam is much faster, and torch_adam would take precedence over it.
-    if not zero.cpu_optimizer and o.optimizer == "adamw":
+    if not zero.cpu_optimizer:
         params.setdefault("torch_adam", True)
+    if params.get("torch_adam"):
+        # torch's Adam always corrects its moments' bias and has no such argument.
+        if params.pop("bias_correction", True) is not True:
+            raise SettingsError(
+                f"optimizer.params.bias_correction=false in {label} with torch_adam: torch's Adam always corrects "
+                "the bias; remove one of them"
+            )
     # torch's AdamW defaults to its per-tensor loop on CPU tensors: six passes over the parameters, moments and
     # gradients per step (2.5 s for ViT-B-32's 151M parameters on one core, more than its forward and backward
     # at m=4). Its fused kernel (CPU and CUDA) runs the same AdamW update in one pass per tensor, 3x faster here;
-    # DeepSpeed hands "fused" to torch.optim.AdamW with the other params. A preset's "foreach" choice stands.
+    # DeepSpeed hands "fused" to torch.optim.AdamW with the other params. A JSON's "foreach" choice stands.
     if params.get("torch_adam") and "foreach" not in params:
         params.setdefault("fused", True)
-    cfg["optimizer"] = {"type": ds_type, "params": params}
+
+
+def scheduler_section(cfg: dict[str, Any], settle: Settle, o: OptimSettings) -> str | None:
+    """A JSON's scheduler block runs as written (DeepSpeed builds it; it steps once per optimizer step), its
+    "auto" params filled from --lr and --warmup, total_num_steps ("auto") at start from the run's length
+    (``fill_start_keys``). None: no block, ds_clip's --lr-scheduler runs. Returns the block's type."""
+    label = settle.label
+    found = scheduler_block(cfg, label)
+    if found is None:
+        return None
+    kind, params = found
+    if kind in ("WarmupLR", "WarmupDecayLR"):
+        if is_auto(params.get("warmup_min_lr")):
+            params["warmup_min_lr"] = 0.0  # the trainer's warmup starts from 0, as Hugging Face fills it
+            settle.filled["scheduler.params.warmup_min_lr"] = "0 (warmup from zero)"
+        settle(params, "warmup_max_lr", o.lr, "scheduler.params.warmup_max_lr", "--lr", o.lr)
+    if kind in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+        # DeepSpeed 0.19.8's warmup schedulers refuse warmup_num_steps < 1 (WarmupLR warms up over max(2, n)):
+        # --warmup 0 (ds_clip's default) fills an absent or "auto" key with 1.
+        steps = o.warmup
+        if steps < 1 and (is_auto(params.get("warmup_num_steps")) or "warmup_num_steps" not in params):
+            steps = 1
+        settle(params, "warmup_num_steps", steps, "scheduler.params.warmup_num_steps", "--warmup", steps)
+        if not (isinstance(params["warmup_num_steps"], int) and params["warmup_num_steps"] >= 1):
+            raise SettingsError(
+                f"scheduler.params.warmup_num_steps={js(params['warmup_num_steps'])} in {label}: DeepSpeed's "
+                f"{kind} needs a whole number >= 1"
+            )
+    for key, value in params.items():
+        if is_auto(value) and key != "total_num_steps":
+            raise SettingsError(
+                f'scheduler.params.{key}="auto" in {label}: ds_clip has no setting to fill it with; write a value'
+            )
+    per_group = o.visual_lr is not None or o.text_lr is not None or o.visual_ld != 1.0 or o.text_ld != 1.0
+    if kind in ONE_LR_SCHEDULERS and per_group:
+        raise SettingsError(
+            f"scheduler.type={js(kind)} in {label} sets one LR for every parameter group, which would overwrite "
+            "the per-tower LRs (--visual-lr/--text-lr/--visual-ld/--text-ld): use WarmupCosineLR (it scales each "
+            "group's own LR) or drop those flags"
+        )
+    return str(kind)
 
 
 def _coalesce_blocker(cfg: dict[str, Any], zero: ZeroFacts, precision: str, label: str) -> str | None:
@@ -391,6 +625,58 @@ def step_keys(cfg: dict[str, Any], required: dict[str, Any], src: Source) -> Non
         if key not in required and key in cfg and not _same(cfg[key], expected):
             raise _step_conflict(key, cfg[key], src, expected)
     _merge_step_keys(cfg, required, src)
+
+
+# Keys whose "auto" Hugging Face fills from the model's hidden size h (its deepspeed.py): h*h, 0.9*h*h, 10*h.
+MODEL_SIZE_KEYS = {
+    "reduce_bucket_size": lambda h: h * h,
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+
+
+def start_auto_keys(cfg: dict[str, Any], label: str) -> dict[str, str]:
+    """The "auto" keys left for the start (``fill_start_keys``: the model's hidden size, the run's length) by
+    path -> what fills them; every other "auto" still in ``cfg`` is refused, naming its key."""
+    left: dict[str, str] = {}
+    zero = cfg.get("zero_optimization") or {}
+    for key in MODEL_SIZE_KEYS:
+        if is_auto(zero.get(key)):
+            left[f"zero_optimization.{key}"] = "the model's hidden size at start"
+    if is_auto(zero.get("stage3_gather_16bit_weights_on_model_save")):
+        zero["stage3_gather_16bit_weights_on_model_save"] = False  # ds_clip saves DeepSpeed checkpoints
+    scheduler = cfg.get("scheduler") or {}
+    params = scheduler.get("params") or {}
+    if scheduler.get("type") in ("WarmupDecayLR", "WarmupCosineLR") and (
+        "total_num_steps" not in params or is_auto(params["total_num_steps"])
+    ):
+        left["scheduler.params.total_num_steps"] = "the run's optimizer steps at start"
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{path}.{k}" if path else k)
+        elif is_auto(node) and path not in left:
+            raise SettingsError(
+                f'{path}="auto" in {label}: ds_clip has no setting to fill it with; write a value'
+            )
+
+    walk(cfg, "")
+    return left
+
+
+def fill_start_keys(cfg: dict[str, Any], *, hidden_size: int, total_steps: int) -> None:
+    """Fill the keys ``start_auto_keys`` left: ZeRO buckets from the model's hidden size, a scheduler's
+    total_num_steps from the run's optimizer steps."""
+    zero = cfg.get("zero_optimization") or {}
+    for key, size in MODEL_SIZE_KEYS.items():
+        if is_auto(zero.get(key)):
+            zero[key] = size(hidden_size)
+    scheduler = cfg.get("scheduler") or {}
+    params = scheduler.get("params")
+    if params is not None and scheduler.get("type") in ("WarmupDecayLR", "WarmupCosineLR"):
+        if "total_num_steps" not in params or is_auto(params["total_num_steps"]):
+            params["total_num_steps"] = total_steps
 
 
 def engine_batch(cfg: dict[str, Any], m: int, world_size: int) -> None:

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ds_clip.caption import CaptionLoss, caption_loss_for
-from ds_clip.config import LossSettings, ModelSettings, OptimSettings, SettingsError, TrainSettings
+from ds_clip.config import LossSettings, ModelSettings, OptimSettings, TrainSettings
 from ds_clip.distributed import accelerator_name
-from ds_clip.ds_config import ResolvedDeepSpeed, resolve_deepspeed
-from ds_clip.geometry import BatchGeometry, GeometryError
+from ds_clip.ds_config import ResolvedDeepSpeed, fill_start_keys, resolve_deepspeed, resolve_geometry
+from ds_clip.geometry import BatchGeometry
 from ds_clip.loss import ContrastiveLoss, LossSpec, resolve_impl
 from ds_clip.model import ModelBundle, Teacher, build_model, prepare_for_deepspeed
-from ds_clip.optim import format_groups, param_groups_for
+from ds_clip.optim import format_groups, format_muon_split, param_groups_for, pin_muon_tags
 from ds_clip.schedule import build_scheduler, schedule_for
 
 logger = logging.getLogger("ds_clip")
@@ -47,19 +47,6 @@ def resolve_run(s: TrainSettings, world_size: int) -> tuple[BatchGeometry, Resol
     batch geometry (W, k, m) and its DeepSpeed side (the JSON for W, the preset and why, what this machine's
     accelerator cannot run)."""
     return resolve_geometry(s, world_size), resolve_deepspeed(s, world_size, accelerator=accelerator_name())
-
-
-def resolve_geometry(s: TrainSettings, world_size: int) -> BatchGeometry:
-    """W, k, m of a run of ``s`` on ``world_size`` ranks: --accum-freq k, or k = N / (W*m) from
-    --global-batch-size N. SettingsError (exit 2, before any engine) when W*m does not divide N or a given k
-    disagrees with it; the message names the world sizes and micro-batches that would divide N."""
-    o = s.optim
-    try:
-        return BatchGeometry.derive(
-            world_size, o.batch_size, accum_freq=o.accum_freq, global_batch=o.global_batch_size
-        )
-    except GeometryError as exc:
-        raise SettingsError(str(exc)) from None
 
 
 def build_model_bundle(
@@ -206,16 +193,25 @@ def build_engine(
     # Before DeepSpeed starts: a teacher that does not fit the student is refused without an engine.
     teacher = build_teacher(model, bundle, seed=seed)
     ds_json = ds.config
+    fill_start_keys(ds_json, hidden_size=hidden_size(bundle.model), total_steps=total_steps)
     # Per-tower groups, each with its own "lr"/"weight_decay"; the schedule scales each from its own peak.
     groups, group_table = param_groups_for(bundle.model, optim)
-    schedule = schedule_for(optim, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
+    muon_split = pin_muon_tags(bundle.model) if optim.optimizer == "muon" else None
     if rank == 0:
         _log_choices(ds, optim, group_table)
+        if muon_split is not None:
+            logger.info(
+                "--opt muon: DeepSpeed's Muon on the towers' hidden matrices\n%s",
+                format_muon_split(*muon_split),
+            )
+    # A JSON's scheduler block: DeepSpeed builds it from the config and steps it once per optimizer step (each
+    # engine.step() of the cached step); else ds_clip's --lr-scheduler.
+    lr_scheduler = None
+    if "scheduler" not in ds_json:
+        schedule = schedule_for(optim, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
+        lr_scheduler = lambda opt: build_scheduler(opt, schedule)  # noqa: E731
     engine, *_ = deepspeed.initialize(
-        model=bundle.model,
-        model_parameters=groups,
-        config=ds_json,
-        lr_scheduler=lambda opt: build_scheduler(opt, schedule),
+        model=bundle.model, model_parameters=groups, config=ds_json, lr_scheduler=lr_scheduler
     )
     if model.torchcompile:  # after initialize: DeepSpeed wraps (and ZeRO hooks) the uncompiled module
         from ds_clip.model import compile_engine
@@ -255,15 +251,35 @@ def build_engine(
     )
 
 
+def hidden_size(model) -> int:
+    """The model's hidden size for DeepSpeed's "auto" bucket sizes (Hugging Face fills them from
+    config.hidden_size): the widest LayerNorm of either tower, else the widest 2-D parameter."""
+    import torch
+
+    widths = [m.normalized_shape[-1] for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    widths = widths or [p.shape[-1] for p in model.parameters() if p.ndim == 2]
+    return int(max(widths or [1]))
+
+
 def _log_choices(ds: ResolvedDeepSpeed, optim: OptimSettings, group_table) -> None:
-    """Rank 0: the preset and why, the coalescing fallback, the optimizer's parameter groups."""
+    """Rank 0: the preset and why, the coalescing fallback, what the JSON's keys became, the optimizer's
+    parameter groups."""
+    for note in ds.notes:
+        logger.info("DeepSpeed JSON: %s", note)
     if ds.default_reason is not None:
         logger.info(
             "DeepSpeed preset %s (the default; --ds-config to choose): %s", ds.preset, ds.default_reason
         )
     if ds.coalesce_fallback is not None:
         logger.info("--coalesce-grad-reduction auto: off here, %s", ds.coalesce_fallback)
-    schedule_name = "no" if optim.skip_scheduler else optim.lr_scheduler
+    scheduler = ds.config.get("scheduler")
+    schedule_name = (
+        f"the JSON's {scheduler['type']}"
+        if scheduler
+        else "no"
+        if optim.skip_scheduler
+        else optim.lr_scheduler
+    )
     logger.info(
         "optimizer parameter groups (--opt %s: DeepSpeed %s; peak lr; %s schedule):\n%s",
         optim.optimizer, ds.config["optimizer"]["type"], schedule_name, format_groups(group_table),

@@ -1,5 +1,6 @@
-"""Parameter groups for DeepSpeed's config-built AdamW: per-tower peak LR and weight decay, layer-wise LR
-decay per tower (EVA-CLIP's --visual-lr/--text-lr/--visual-wd/--text-wd/--visual-ld/--text-ld), and
+"""Parameter groups for DeepSpeed's config-built optimizer: per-tower peak LR and weight decay, layer-wise LR
+decay per tower (EVA-CLIP's --visual-lr/--text-lr/--visual-wd/--text-wd/--visual-ld/--text-ld), which
+parameters --opt muon trains with Muon (``pin_muon_tags``), and
 open_clip's no-decay rule inside every tower.
 
 Towers, by parameter name:
@@ -188,6 +189,52 @@ def param_groups_for(model: nn.Module, o: OptimSettings) -> tuple[list[dict], li
         o.lr if o.text_lr is None else o.text_lr, o.wd if o.text_wd is None else o.text_wd, o.text_ld
     )
     return build_param_groups(model, rest=TowerOptim(o.lr, o.wd), visual=visual, text=text)
+
+
+def is_muon_matrix(name: str, p: torch.Tensor) -> bool:
+    """Does --opt muon train this parameter with Muon? The 2-D hidden matrices inside either tower's blocks
+    (attention and MLP weights), as the Muon authors and DeepSpeed's Muon docs advise; the embeddings, the patch
+    stem, the projections into the shared space, logit_scale/logit_bias, norms and biases train with AdamW."""
+    tower = tower_of(name)
+    if p.ndim != 2 or tower == "rest":
+        return False
+    rel = _tower_relative(name, tower)
+    return bool(_BLOCK.match(rel)) and not _EMBEDDING.search(rel)
+
+
+class _PinnedMuonTag:
+    """``use_muon`` of a parameter as ds_clip chose it (``pin_muon_tags``). ``deepspeed.initialize`` re-tags every
+    parameter by its own rule (any 2-D or larger weight whose name lacks "embed"), which would put the patch stem
+    and the projections into Muon: its writes are ignored."""
+
+    def __get__(self, p, owner=None):
+        return self if p is None else p.__dict__.get("_ds_clip_use_muon", False)
+
+    def __set__(self, p, value) -> None:
+        pass
+
+
+_PINNED: dict[type, type] = {}
+
+
+def pin_muon_tags(model: nn.Module) -> tuple[list[str], list[str]]:
+    """Tag every trainable parameter for DeepSpeed's Muon (``is_muon_matrix``) so that the tag stands through
+    ``deepspeed.initialize``; returns the names in Muon and the names in its auxiliary AdamW."""
+    muon, adam = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        cls = type(p)
+        if cls not in _PINNED.values():
+            p.__class__ = _PINNED.setdefault(cls, type(cls.__name__, (cls,), {"use_muon": _PinnedMuonTag()}))
+        p.__dict__["_ds_clip_use_muon"] = is_muon_matrix(name, p)
+        (muon if p.use_muon else adam).append(name)
+    return muon, adam
+
+
+def format_muon_split(muon: list[str], adam: list[str]) -> str:
+    """--opt muon's split, compact: the parameters in Muon and in AdamW, by name."""
+    return f"Muon ({len(muon)}): {', '.join(muon)}\nAdamW ({len(adam)}): {', '.join(adam)}"
 
 
 def format_groups(infos: list[GroupInfo]) -> str:

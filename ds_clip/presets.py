@@ -44,7 +44,65 @@ PRECISION_NAMES = tuple(PRECISION_MAP)
 
 # --opt: the optimizers DeepSpeed builds from the "optimizer" block of its JSON (so ZeRO partitions them and
 # offload runs them on the CPU), by ds_clip name -> DeepSpeed's "type" (SGD: DeepSpeed's torch.optim fallback).
-OPTIMIZERS: dict[str, str] = {"adamw": "AdamW", "lamb": "Lamb", "lion": "Lion", "sgd": "SGD"}
+# "adam" is DeepSpeed's Adam with adam_w_mode false (L2 weight decay added to the gradient); "muon" is DeepSpeed's
+# MuonWithAuxAdam (Muon on hidden matrices, AdamW on the rest: ds_clip.optim tags which).
+OPTIMIZERS: dict[str, str] = {
+    "adamw": "AdamW", "adam": "Adam", "lamb": "Lamb", "lion": "Lion", "muon": "Muon", "sgd": "SGD"
+}  # fmt: skip
+
+
+# DeepSpeed's optimizer "type" (lower case, as DeepSpeed compares it) -> --opt. "Adam" is AdamW unless its
+# adam_w_mode is false (DeepSpeed's default for Adam is adam_w_mode true).
+OPTIMIZER_TYPES = {
+    "adam": "adamw",
+    "adamw": "adamw",
+    "lamb": "lamb",
+    "lion": "lion",
+    "muon": "muon",
+    "sgd": "sgd",
+}
+# DeepSpeed's compressed-communication optimizers: CUDA kernels and an NCCL/MPI compressed all-reduce.
+ONE_BIT_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb")
+# The schedulers of DeepSpeed's lr_schedules.py that ds_clip runs as a JSON writes them.
+SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle")
+# These set one absolute LR for every parameter group; WarmupCosineLR scales each group's own LR.
+ONE_LR_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "OneCycle")
+
+
+def is_auto(value: Any) -> bool:
+    """Hugging Face's "auto" in a DeepSpeed JSON: the trainer fills the key from its own settings."""
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
+def optimizer_of(kind: Any, params: dict[str, Any], label: str) -> str:
+    """The --opt that runs a JSON's optimizer block of DeepSpeed "type" ``kind``; SettingsError for a type ds_clip
+    does not run."""
+    low = str(kind).lower()
+    if low not in OPTIMIZER_TYPES:
+        raise SettingsError(
+            f"optimizer.type={json.dumps(kind)} in {label} is not one ds_clip runs: Adam, AdamW, Lamb, Lion, Muon "
+            "or SGD"
+        )
+    if low == "adam" and params.get("adam_w_mode") is False:
+        return "adam"  # DeepSpeed's Adam with L2 regularisation (weight decay added to the gradient)
+    return OPTIMIZER_TYPES[low]
+
+
+def scheduler_block(cfg: dict[str, Any], label: str) -> tuple[str, dict[str, Any]] | None:
+    """A JSON's scheduler block as (type, params), None without one; SettingsError for a malformed block or a
+    type ds_clip does not run."""
+    block = cfg.get("scheduler")
+    if block is None:
+        return None
+    if not isinstance(block, dict) or not isinstance(block.get("params", {}), dict):
+        raise SettingsError(f"scheduler in {label} must be a JSON object with a params object")
+    kind = block.get("type")
+    if kind not in SCHEDULERS:
+        raise SettingsError(
+            f"scheduler.type={json.dumps(kind)} in {label} is not one ds_clip runs: {', '.join(SCHEDULERS)} "
+            "(or drop the block: --lr-scheduler)"
+        )
+    return kind, block.setdefault("params", {})
 
 
 def deepspeed_precision(name: str) -> str:
@@ -102,13 +160,3 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise SettingsError(f"--ds-config {path}: the top level must be a JSON object")
     return data
-
-
-def preset_precision(name_or_path: str) -> str:
-    """The precision a preset enables ("bf16", "fp16"), else "fp32": what --precision is when left out."""
-    preset = load_preset(name_or_path)
-    for key in ("bf16", "bfloat16", "fp16"):
-        section = preset.get(key)
-        if isinstance(section, dict) and section.get("enabled"):
-            return "fp16" if key == "fp16" else "bf16"
-    return "fp32"

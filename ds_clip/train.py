@@ -107,8 +107,7 @@ def dry_run(s: TrainSettings) -> None:
     no model, no files written."""
     from ds_clip.data import build_train_data
     from ds_clip.distributed import accelerator_name  # (deepspeed's accelerator, not a process group)
-    from ds_clip.ds_config import resolve_deepspeed
-    from ds_clip.engine import resolve_geometry
+    from ds_clip.ds_config import format_sources, resolve_deepspeed, resolve_geometry
     from ds_clip.evaluate import check_train_inputs
     from ds_clip.presets import precision_mapping_text
     from ds_clip.schedule import RunLength, warmup_warning
@@ -139,6 +138,12 @@ def dry_run(s: TrainSettings) -> None:
         f"# DeepSpeed JSON for world size {world_size} on the {ds.accelerator} accelerator (ds_config.json)"
     )
     print(ds.json_text)
+    print("# where each DeepSpeed key came from (flag, JSON file, auto <- what filled it, default, ds_clip)")
+    print(format_sources(ds))
+    for note in ds.notes:
+        print(f"# {note}")
+    if s.optim.optimizer == "muon":
+        _print_muon_split(s)
     _print_published(s)
     print("# dry run: the flags are good; nothing was started", flush=True)
 
@@ -146,6 +151,16 @@ def dry_run(s: TrainSettings) -> None:
 def _unused(x):
     """The transform and tokenizer of the dry run's data: it reads no image and tokenizes no caption."""
     return x
+
+
+def _print_muon_split(s: TrainSettings) -> None:
+    """--opt muon: which parameters DeepSpeed's Muon trains and which its AdamW (the model is built, no weights)."""
+    from ds_clip.engine import build_model_bundle
+    from ds_clip.optim import format_muon_split, pin_muon_tags
+
+    bundle = build_model_bundle(s.model, seed=s.data.seed, load_published=False)
+    print("# --opt muon: the towers' hidden matrices in Muon, the rest in AdamW")
+    print(format_muon_split(*pin_muon_tags(bundle.model)))
 
 
 def _k_table(s: TrainSettings) -> str:

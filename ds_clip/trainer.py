@@ -169,6 +169,8 @@ class Trainer:
             total_steps=self.total_steps, steps_per_epoch=steps_per_epoch,
         )  # fmt: skip
         self.engine, self.loss_fn = built.engine, built.loss_fn
+        if info.is_main and ds.start_keys:  # the "auto" keys filled from the model and the run's length
+            write_run_files(run_dir, settings_to_dict(s), ds, built.ds_config)
         self.caption_fn, self.teacher = built.caption_fn, built.teacher
         # The weight EMA (--ema-decay), beside the fp32 masters; saved with and resumed from every checkpoint.
         self.ema = ema.build_ema(self.engine, s.ema)

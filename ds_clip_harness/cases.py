@@ -47,6 +47,8 @@ class Case:
     """--distill-model (the TEACHER folder): open_clip's DistillClipLoss, dense or tiled as ``loss`` says."""
     ema: bool = False
     """--ema-decay EMA_DECAY: the weight EMA kept beside the masters (it does not change the training)."""
+    optimizer: str = "adamw"
+    """--opt: "muon" is DeepSpeed's Muon on the towers' hidden matrices with its AdamW on the rest."""
 
     @property
     def name(self) -> str:
@@ -60,6 +62,7 @@ class Case:
         extra += "-coalesce" if self.coalesce else ""
         extra += "-distill" if self.distill else ""
         extra += "-ema" if self.ema else ""
+        extra += f"-{self.optimizer}" if self.optimizer != "adamw" else ""
         return f"{self.model}-z{self.zero_stage}-{self.precision}-{loss}{extra}"
 
 
@@ -98,6 +101,9 @@ def _matrix() -> list[Case]:
     cases += [Case("vit", stage, "fp32", GLOBAL, distill=True) for stage in range(4)]
     cases += [Case("vit", 1, "fp32", TILED, distill=True), Case("vit", 3, "fp32", TILED_LOCAL, distill=True)]
     cases += [Case("vit", 2, "bf16", GLOBAL, distill=True)]
+    # Muon (DeepSpeed's MuonWithAuxAdam): its gradient is the full-batch gradient under --accum-freq like every
+    # optimizer's. ZeRO-0 only: under ZeRO 1-2 DeepSpeed's Muon path changes what the gradient probe reads.
+    cases += [Case("vit", 0, "fp32", GLOBAL, optimizer="muon")]
     return cases
 
 
@@ -132,6 +138,7 @@ def spec_for(case: Case, models: dict[str, str], k: int) -> RunSpec:
         varied_captions=case.model == "coca",
         distill_model=models["teacher"] if case.distill else None,
         ema_decay=EMA_DECAY if case.ema else None,
+        optimizer=case.optimizer,
         capture_grads=True,
         name=case.name,
         **ADAM,

@@ -73,6 +73,8 @@ class RunSpec:
     of the whole fp32 masters after every applied step computed in one place (``ema_reference``)."""
     ema_warmup: bool = False
     """--ema-warmup (timm ModelEmaV3's warm-up of the decay)."""
+    optimizer: str = "adamw"
+    """--opt (adamw, muon, ...)."""
     name: str = ""
 
 
@@ -199,7 +201,7 @@ def train_argv(spec: RunSpec, preset_dir: str | None = None) -> list[str]:
         "--lr", repr(spec.lr), "--eps", repr(spec.eps), "--beta1", "0.9", "--beta2", "0.98", "--wd", "0",
         "--warmup", "0", "--seed", str(spec.seed), "--workers", "0", "--loss-impl", spec.loss.impl,
         "--loss-tile-size", str(spec.loss.tile_size),
-        "--coalesce-grad-reduction", spec.coalesce,
+        "--coalesce-grad-reduction", spec.coalesce, "--opt", spec.optimizer,
     ]  # fmt: skip
     if spec.loss.siglip:
         argv.append("--siglip")

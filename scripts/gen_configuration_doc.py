@@ -42,56 +42,60 @@ N = m·k·W pairs and moves the model exactly as one process would on the whole 
 
 ## Precedence
 
-**Command-line flag > recipe (`--recipe`) > DeepSpeed preset > default.**
+**Command-line flag > recipe (`--recipe`) > the DeepSpeed JSON (`--ds-config`) > default.**
+
+`ds_clip.config.TrainSettings.sources` records where each field came from, so only a value the user chose (a flag
+passed, a recipe) can disagree with the JSON; a default the user left alone never does.
 
 - A recipe (`--recipe datacomp-medium`, or a JSON file) sets flags by name; a flag given on the command line
   wins, except a `--global-batch-size` other than the recipe's, which is refused. With
   `--global-batch-size N`, k = N / (W·m) is derived at start ([global-batch.md](global-batch.md)).
+- The JSON's training keys fill the flags left at their defaults: the batch triple, `gradient_clipping`, the
+  `optimizer` and `scheduler` blocks, the enabled precision section (`zero2_bf16` -> bf16). A passed flag keeps
+  its value over the file's; the start-up log and `--dry-run` say so in one line each.
+- `"auto"` (Hugging Face's and accelerate's files) is filled from the resolved settings: batch sizes,
+  accumulation, clipping, the optimizer's and scheduler's params, `fp16`/`bf16.enabled`, and at start the ZeRO
+  buckets that depend on the model's hidden size and a scheduler's `total_num_steps`.
+- Engine settings (ZeRO stage and buckets, offload, communication) come from the JSON; `--zero-stage`
+  overrides its `zero_optimization.stage`. `--ds-config` left out: `zero0_<precision>` on one rank and in fp32
+  on up to 4, `zero1_<precision>` otherwise (`ds_config.default_preset`).
+- `--dry-run` prints every effective DeepSpeed key with where its value came from: `flag --x`, `JSON file`,
+  `auto <- ...` (what filled it), `default (--x)`, or `ds_clip` (a key the accumulation step sets).
 
-- Engine settings (ZeRO stage and buckets, offload, communication) come from the preset
-  (`--ds-config`); `--zero-stage` overrides the preset's `zero_optimization.stage`.
-- Everything that decides what a step computes comes from flags: batch sizes, accumulation,
-  optimizer, learning rate, clipping, precision. ds_clip writes these keys into the resolved JSON.
-- `--precision` left out: the preset's enabled precision section decides (`zero2_bf16` -> bf16),
-  else fp32. `--ds-config` left out: `zero0_<precision>` on one rank and in fp32 on up to 4,
-  `zero1_<precision>` otherwise (`ds_config.default_preset`).
+[deepspeed-json.md](deepspeed-json.md) says what each kind of key becomes, what is refused and why, and how the
+public DeepSpeed files of Hugging Face, DeepSpeedExamples, DeepSpeed and EVA-CLIP fare.
 
-## The conflict rule
+## What the JSON's keys become
 
-A preset key that disagrees with a flag is an error naming the key, the file and the flag, e.g.
-
-    ds-clip-train: error: bf16.enabled=true in ds_configs/zero2_bf16.json conflicts with --precision fp32
-
-A key that merely repeats the flag's value is fine. In particular:
-
-| JSON key | must agree with | note |
+| JSON key | becomes | note |
 |---|---|---|
-| `train_micro_batch_size_per_gpu` | `--batch-size` | |
-| `gradient_accumulation_steps` | 1 | ds_clip accumulates itself with exact cached features: use `--accum-freq` |
-| `train_batch_size` | m·W | one engine step = one micro-batch on every rank |
-| `bf16.enabled`, `fp16.enabled` (`bfloat16` too) | `--precision` | fp16 gets `loss_scale: 0` (dynamic) unless the preset sets it |
-| `torch_autocast.enabled: true` | refused | precision comes from `--precision` |
-| `gradient_clipping` | `--grad-clip-norm` (0 when absent) | |
-| `optimizer.type` | `--opt` (`AdamW`, `Lamb`, `Lion`, `SGD`) | |
-| `optimizer.params.lr / betas / eps / weight_decay / momentum` | `--lr`, `--beta1/--beta2`, `--eps`, `--wd`, `--momentum` | each optimizer gets the ones its class takes; with AdamW `torch_adam`, `foreach`, `fp32_optimizer_states` may be set (kernel choice) |
-| `scheduler` | refused | ds_clip runs its own schedule with linear warmup (`--lr-scheduler`, `--lr`, `--warmup`) |
-| `elasticity` | refused | it changes batch sizes |
+| `train_batch_size`, `train_micro_batch_size_per_gpu`, `gradient_accumulation_steps` | N, m (`--batch-size`), k (`--accum-freq`) | any two, as DeepSpeed reads them; k runs as exact cached accumulation (one log line); the engine runs `gradient_accumulation_steps: 1`, `train_batch_size` m·W; a triple that does not divide on the launched W is refused with the numbers |
+| `bf16.enabled`, `fp16.enabled` (`bfloat16` too) | `--precision` | fp16 gets `loss_scale: 0` (dynamic) unless the file sets it; refused where the accelerator has no fp16 |
+| `torch_autocast` (enabled) | `--precision amp_bf16` / `amp` | runs as DeepSpeed bf16 / fp16, ds_clip's mapping of open_clip's amp names |
+| `gradient_clipping` | `--grad-clip-norm` | |
+| `optimizer.type` | `--opt` (`Adam`/`AdamW` -> adamw, `Adam` with `adam_w_mode: false` -> adam, `Lamb`, `Lion`, `Muon`, `SGD`) | 1-bit optimizers refused (CUDA and compressed communication) |
+| `optimizer.params.lr / betas / eps / weight_decay / momentum` | `--lr`, `--beta1/--beta2`, `--eps`, `--wd`, `--momentum` | engine choices (`torch_adam`, `adam_w_mode`, `bias_correction`, Lamb's coefficients, Muon's `muon_lr`/`adam_lr`) pass on |
+| `scheduler` (`WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `OneCycle`) | the LR schedule, built by DeepSpeed | `warmup_num_steps` -> `--warmup`; refused with `--lr-scheduler`, and one-LR schedulers with per-tower LRs |
+| `elasticity`, tensor/pipeline/sequence parallel, inference, compression, curriculum sections | refused, naming the key | what ds_clip does not do |
+| NVMe offload, ZeRO++ quantization | refused on a machine without CUDA, naming key and hardware | |
+| keys DeepSpeed 0.19.8 removed or rejects (apex `amp` enabled, `reduce_bucket_size: 0`) | refused, naming the key | a disabled `amp` section is dropped |
 | `gradient_allreduce_op`, `managed_gradient_accumulation` | the accumulation step's values | the step relies on them |
 
 Also refused: fp16 with ZeRO stage 0 (DeepSpeed 0.19.x gives updates ~loss-scale times too small
 there, upstream PR #8393 open): use bf16 or `--zero-stage 1`-`3`.
 
 ds_clip also sets `zero_allow_untested_optimizer: true` (torch AdamW under ZeRO), and, unless the
-preset sets them, `steps_per_print` huge and `wall_clock_breakdown: false` (ds_clip logs itself).
-The optimizer is `torch.optim.AdamW` (`torch_adam: true`; its fused kernel unless the preset sets
-`foreach`), except when the preset offloads the optimizer (`offload_optimizer.device` cpu or nvme):
+JSON sets them, `steps_per_print` huge and `wall_clock_breakdown: false` (ds_clip logs itself).
+The optimizer is `torch.optim.AdamW` (`torch_adam: true`; its fused kernel unless the JSON sets
+`foreach`), except when the JSON offloads the optimizer (`offload_optimizer.device` cpu or nvme):
 DeepSpeed's CPU Adam then runs it. `--opt` picks
 another one DeepSpeed builds from the JSON (DeepSpeed 0.19.8, measured): `lamb` is FusedLamb (CUDA only;
 refused with offload and on a CPU-only machine), `lion` is FusedLion on CUDA and DeepSpeed's CPU Lion under
-offload (refused on a CPU-only machine without offload), `sgd` is `torch.optim.SGD` anywhere.
+offload (refused on a CPU-only machine without offload), `sgd` is `torch.optim.SGD` anywhere, `adam` is
+DeepSpeed's Adam with L2 weight decay, `muon` is DeepSpeed's Muon with its auxiliary AdamW.
 
 All of this is checked at parse time, in one pass (`ds_clip.config.validate`), before any process group
-starts (the world size, for `train_batch_size`, only when the engine starts).
+starts (the world size, for the batch triple, only when the engine starts).
 
 ## Presets (`ds_configs/`)
 

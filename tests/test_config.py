@@ -247,10 +247,7 @@ def test_argparse_type_errors_exit_2():
         (["--name", "a/b"], "--name"),
         (["--ds-config", "zero9_fp64"], "--ds-config"),
         (["--ds-config", "/nonexistent/x.json"], "--ds-config"),
-        (
-            ["--ds-config", "zero2_bf16", "--precision", "fp32"],
-            "bf16.enabled=true in ds_configs/zero2_bf16.json",
-        ),
+        (["--ds-config", "zero2_bf16", "--lr-scheduler", "const", "--ds-config", "DUMMY"], "--ds-config"),
         (["--ds-config", "zero1_fp16", "--zero-stage", "0"], "PR #8393"),
     ],
 )
@@ -400,47 +397,76 @@ def test_unknown_preset_lists_the_presets_and_bad_json_names_the_file(tmp_path):
 # ---------------------------------------------------------------- conflicts between preset and flags
 
 
+# Settings not parsed from a command line (TrainSettings.of) cannot tell a choice from a default: every key that
+# disagrees with them is refused, naming key and flag. Parsed settings take the key's value instead (the flag was
+# left at its default: config.ds_json), or refuse what no flag can mean.
 @pytest.mark.parametrize(
-    ("extra", "needle"),
+    ("extra", "needle", "parsed"),
     [
-        ({"gradient_accumulation_steps": 4}, "use --accum-freq instead"),
-        ({"train_batch_size": 64}, "--accum-freq"),
+        ({"gradient_accumulation_steps": 4}, "use --accum-freq instead", ("accum_freq", 4)),
+        ({"train_batch_size": 64}, "--accum-freq", ("global_batch_size", 64)),
         (
             {"train_micro_batch_size_per_gpu": 16},
             "train_micro_batch_size_per_gpu=16 in {label} conflicts with --batch-size 8",
+            ("batch_size", 16),
         ),
-        ({"gradient_clipping": 1.0}, "gradient_clipping=1.0 in {label} conflicts with --grad-clip-norm"),
+        (
+            {"gradient_clipping": 1.0},
+            "gradient_clipping=1.0 in {label} conflicts with --grad-clip-norm",
+            ("grad_clip_norm", 1.0),
+        ),
         (
             {"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}},
             "optimizer.params.lr=0.1 in {label} conflicts with --lr",
+            ("lr", 0.1),
         ),
-        ({"optimizer": {"type": "AdamW", "params": {"weight_decay": 0.0}}}, "conflicts with --wd"),
+        (
+            {"optimizer": {"type": "AdamW", "params": {"weight_decay": 0.0}}},
+            "conflicts with --wd",
+            ("wd", 0.0),
+        ),
         (
             {"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.999]}}},
             "conflicts with --beta1/--beta2",
+            ("beta2", 0.999),
         ),
-        ({"optimizer": {"type": "AdamW", "params": {"eps": 1e-8}}}, "conflicts with --eps"),
-        ({"optimizer": {"type": "Lamb"}}, "optimizer.type"),
+        ({"optimizer": {"type": "AdamW", "params": {"eps": 1e-8}}}, "conflicts with --eps", ("eps", 1e-8)),
+        ({"optimizer": {"type": "Lamb"}}, "optimizer.type", ("optimizer", "lamb")),
         (
             {"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}},
             "optimizer.params.max_grad_norm",
+            None,
         ),
-        ({"scheduler": {"type": "WarmupLR"}}, "scheduler in {label}"),
-        ({"fp16": {"enabled": True}}, "fp16.enabled=true in {label} conflicts with --precision fp32"),
-        ({"bfloat16": {"enabled": True}}, "bf16.enabled=true in {label} conflicts with --precision fp32"),
-        ({"torch_autocast": {"enabled": True}}, "torch_autocast.enabled"),
-        ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),
-        ({"elasticity": {"enabled": True}}, "elasticity"),
+        ({"scheduler": {"type": "WarmupLR"}}, "scheduler in {label}", ("lr_scheduler", "cosine")),
+        (
+            {"fp16": {"enabled": True}},
+            "fp16.enabled=true in {label} conflicts with --precision fp32",
+            ("precision", "fp16"),
+        ),
+        (
+            {"bfloat16": {"enabled": True}},
+            "bf16.enabled=true in {label} conflicts with --precision fp32",
+            ("precision", "bf16"),
+        ),
+        ({"torch_autocast": {"enabled": True}}, "torch_autocast.enabled", ("precision", "bf16")),
+        ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op", None),
+        ({"elasticity": {"enabled": True}}, "elasticity", None),
     ],
 )
-def test_conflicting_preset_keys_name_key_and_flag(tmp_path, extra, needle):
+def test_preset_keys_against_unparsed_and_parsed_settings(tmp_path, extra, needle, parsed):
     path = _write_json(tmp_path, {"zero_optimization": {"stage": 1}, **extra})
     with pytest.raises(SettingsError) as e:
         resolve_ds_config(TrainSettings.of(ds_config=path), world_size=2)
     assert needle.format(label=path) in str(e.value)
-    if "train_batch_size" not in extra:  # needs the world size, known only at engine start
+    if parsed is None:
         with pytest.raises(SettingsError):  # the same check runs at parse time, before any process starts
-            parse_settings(["--ds-config", path, "--precision", "fp32"])
+            parse_settings(["--ds-config", path])
+        return
+    field, value = parsed
+    s = parse_settings(["--ds-config", path])
+    section = next(sec for sec in vars(s).values() if hasattr(sec, field))
+    assert getattr(section, field) == value and s.sources[field] == "ds_json"
+    resolve_ds_config(s, world_size=2)  # and it resolves
 
 
 def test_keys_that_repeat_the_flags_are_fine(tmp_path):

@@ -248,16 +248,19 @@ def test_bad_input_is_one_line_exit_2(args, needle):
 
 
 def test_conflicting_json_names_key_and_flag(tmp_path):
-    """A user's JSON that disagrees with a flag, or asks DeepSpeed to accumulate, is refused."""
+    """A user's JSON whose block contradicts a flag the user passed, or whose batch divides on no world size, is
+    refused in one line naming the key (and the flag); a value the flag merely leaves at its default is not."""
     cfg = tmp_path / "mine.json"
-    cfg.write_text(json.dumps({"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": 99}))
-    proc = _bad("--ds-config", str(cfg), "--batch-size", "8")
+    cfg.write_text(
+        json.dumps({"zero_optimization": {"stage": 1}, "scheduler": {"type": "WarmupLR", "params": {}}})
+    )
+    proc = _bad("--ds-config", str(cfg), "--lr-scheduler", "const")
     assert proc.returncode == 2
-    assert "train_micro_batch_size_per_gpu" in proc.stderr and "--batch-size" in proc.stderr
-    cfg.write_text(json.dumps({"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 4}))
+    assert 'scheduler.type="WarmupLR"' in proc.stderr and "--lr-scheduler const" in proc.stderr
+    cfg.write_text(json.dumps({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 4}))
     proc = _bad("--ds-config", str(cfg))
     assert proc.returncode == 2
-    assert "gradient_accumulation_steps" in proc.stderr and "--accum-freq" in proc.stderr
+    assert "train_batch_size=6" in proc.stderr and "train_micro_batch_size_per_gpu=4" in proc.stderr
 
 
 def test_text_tower_smaller_than_its_tokenizer_is_exit_2(tmp_path):

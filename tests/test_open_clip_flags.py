@@ -119,7 +119,7 @@ def test_precision_mapping_is_in_help():
     "argv, needle",
     [
         (["--opt", "timm/adamw"], "--opt timm/adamw: ds_clip has DeepSpeed build the optimizer"),
-        (["--opt", "adafactor"], "--opt must be one of adamw, lamb, lion, sgd"),
+        (["--opt", "adafactor"], "--opt must be one of adamw, adam, lamb, lion, muon, sgd"),
         (["--momentum", "0.9"], "--momentum applies to --opt sgd"),
         (["--opt", "sgd", "--momentum", "1.5"], "--momentum must be in [0, 1)"),
         (["--save-frequency", "-1"], "--save-frequency must be >= 0"),
@@ -165,11 +165,13 @@ def test_opt_builds_deepspeeds_optimizer_block():
     }  # fmt: skip
 
 
-def test_preset_optimizer_type_must_match_opt(tmp_path):
+def test_preset_optimizer_type_must_match_a_passed_opt(tmp_path):
+    """The file's optimizer is --opt when the flag is left out; a passed --opt of another kind is refused."""
     preset = tmp_path / "p.json"
     preset.write_text(json.dumps({"zero_optimization": {"stage": 1}, "optimizer": {"type": "Lion"}}))
     with pytest.raises(SettingsError, match=r'optimizer.type="Lion" in .* conflicts with --opt adamw'):
-        parse_settings(["--ds-config", str(preset)])
+        parse_settings(["--ds-config", str(preset), "--opt", "adamw"])
+    assert parse_settings(["--ds-config", str(preset)]).optim.optimizer == "lion"
     assert (
         resolve_ds_config(parse_settings(["--ds-config", str(preset), "--opt", "lion"]), 1)["optimizer"][
             "type"
@@ -211,8 +213,9 @@ def test_dry_run_prints_settings_and_json_and_starts_nothing(capsys, monkeypatch
 def test_dry_run_finds_the_errors_a_run_would_meet_at_start(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")
     preset = tmp_path / "p.json"
-    preset.write_text(json.dumps({"zero_optimization": {"stage": 1}, "train_batch_size": 8}))
-    assert train.main(["--dry-run", "--ds-config", str(preset), "--batch-size", "2"]) == 2  # 8 != 2 x 2
+    triple = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}
+    preset.write_text(json.dumps({"zero_optimization": {"stage": 1}, **triple}))
+    assert train.main(["--dry-run", "--ds-config", str(preset)]) == 2  # 8 != 2 x 1 x 2
     assert "train_batch_size=8" in capsys.readouterr().err
     assert train.main(["--dry-run", "--horovod"]) == 2
     assert capsys.readouterr().err.startswith("ds-clip-train: error: --horovod is open_clip_train's flag")

@@ -271,3 +271,27 @@ def test_deepspeed_optimizer_runs_each_group_at_its_lr(engines, models, preset):
         count, shown_lr, shown_wd = row[label_end:].split()[1:]
         assert int(count) == sum(dict(model.named_parameters())[n].numel() for n in members)
         assert float(shown_lr) == pytest.approx(lr, rel=1e-3) and float(shown_wd) == pytest.approx(wd)
+
+
+def test_muon_takes_the_towers_hidden_matrices_and_adamw_the_rest(models):
+    """--opt muon: attention and MLP weights of both towers' blocks in Muon; embeddings, the patch stem, the
+    projections, logit_scale, norms and biases in AdamW, and the tag stands against DeepSpeed's own re-tagging
+    (any 2-D weight without "embed" in its name) in deepspeed.initialize."""
+    from ds_clip.optim import pin_muon_tags
+
+    model = _model(models, "vit")
+    muon, adam = pin_muon_tags(model)
+    assert muon and all(re.search(r"\.(resblocks)\.\d+\.", n) for n in muon), muon
+    assert all(p.ndim == 2 for n, p in model.named_parameters() if n in muon)
+    for name in (
+        "visual.conv1.weight",
+        "visual.proj",
+        "text_projection",
+        "token_embedding.weight",
+        "logit_scale",
+    ):
+        assert name in adam, name
+    assert not [n for n in muon if n.endswith("bias") or ".ln_" in n]
+    params = dict(model.named_parameters())
+    params["visual.proj"].use_muon = True  # what deepspeed.initialize's own rule writes: ignored
+    assert params["visual.proj"].use_muon is False and params[muon[0]].use_muon is True

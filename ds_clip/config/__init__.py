@@ -8,15 +8,17 @@ row in docs/configuration.md; small metadata (`opt(...)`) adds what the field ca
 choices, a unit, how the flag relates to open_clip's). `ds-clip-eval` builds its shared flags (`--val-data`,
 `--batch-size`, ...) from the same fields (`add_flags`).
 
-Precedence: command-line flag > DeepSpeed preset (`--ds-config`) > the defaults of the fields. Engine settings
-(ZeRO, offload, communication) live only in the preset; batch sizes, accumulation, optimizer and precision come
-from flags, and `ds_clip.ds_config.resolve_deepspeed` refuses a preset that disagrees.
+Precedence: command-line flag > recipe > the DeepSpeed JSON (`--ds-config`) > the defaults of the fields. The
+JSON's training keys (batch triple, clipping, optimizer, scheduler, precision) fill the fields whose flags were
+left at their defaults (`ds_json`); `TrainSettings.sources` records where each value came from, and
+`ds_clip.ds_config.resolve_deepspeed` writes the settings back into the JSON, "auto" keys included.
 
 The modules, each importing only those below it (import-linter, pyproject.toml):
 
 - `parser`: the command line (`build_parser`, `add_flags`) parsed into validated settings (`parse_settings`);
 - `answers`: open_clip_train's flags ds_clip has no field for, each answered with one line (`ANSWERED`);
 - `validation`: `validate`, every rule in one pass (cheap: no deepspeed, no torch.distributed);
+- `ds_json`: a --ds-config file's training keys read as settings (`lift_ds_json`);
 - `model_checks`, `checks`: the rules of each section (`check_data`, `check_eval`, `check_model_flags`, ...);
 - `flags`: the fields read as flags (`flags`, `Flag`) and the flat settings dict (`settings_to_dict`);
 - `sections`: the section dataclasses and `TrainSettings`, the whole tree;

@@ -336,8 +336,9 @@ def check_optimizer(o: OptimSettings) -> None:
     need(o.optimizer in OPTIMIZERS, f"--opt must be one of {', '.join(OPTIMIZERS)}, got {o.optimizer!r}")
     if o.momentum is not None:
         need(
-            o.optimizer == "sgd",
-            f"--momentum applies to --opt sgd; {o.optimizer} has no momentum term (its moments: --beta1/--beta2)",
+            o.optimizer in ("sgd", "muon"),
+            f"--momentum applies to --opt sgd and muon; {o.optimizer} has no momentum term (its moments: "
+            "--beta1/--beta2)",
         )
         need(0 <= o.momentum < 1, f"--momentum must be in [0, 1), got {o.momentum}")
     need(

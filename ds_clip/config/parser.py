@@ -1,7 +1,9 @@
 """The command line of ds-clip-train: one flag per settings field (`add_flags`, `build_parser`), parsed into
 validated settings (`parse_settings`).
 
-Precedence: command-line flag > recipe (`--recipe`) > DeepSpeed preset (`--ds-config`) > the fields' defaults.
+Precedence: command-line flag > recipe (`--recipe`) > the DeepSpeed JSON (`--ds-config`: its batch keys, clipping,
+optimizer, scheduler and precision, `config.ds_json`) > the fields' defaults. `TrainSettings.sources` records which
+one each field came from, so a default the user did not choose never conflicts with the JSON.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from ds_clip.config.answers import ANSWERED, Answered
+from ds_clip.config.ds_json import lift_ds_json
 from ds_clip.config.fields import LOCAL_DIR_PREFIX
 from ds_clip.config.flags import Flag, base_type, flag_named, flags
 from ds_clip.config.sections import TrainSettings
 from ds_clip.config.validation import validate
 from ds_clip.errors import SettingsError
-from ds_clip.presets import deepspeed_precision, preset_precision
+from ds_clip.presets import deepspeed_precision
 from ds_clip.recipes import load_recipe
 from ds_clip.versions import versions_line
 
@@ -152,21 +155,26 @@ def parse_settings(argv: list[str] | None = None) -> TrainSettings:
     Raises SettingsError for bad values; argparse itself exits 2 on malformed flags.
     """
     values: dict[str, Any] = vars(build_parser().parse_args(argv))
+    given = _given(argv)
+    sources = dict.fromkeys(given, "flag")
     if values["recipe"]:
-        values = _with_recipe(values, _given(argv))
+        values, from_recipe = _with_recipe(values, given)
+        sources.update(dict.fromkeys(from_recipe, "recipe"))
+    if values["ds_config"]:
+        sources.update(lift_ds_json(values["ds_config"], values, lambda name: _chosen(name, values, sources)))
     if values["epochs"] is None and values["max_steps"] is None:
         values["epochs"] = 1  # with --max-steps alone, it alone ends the run (ds_clip.schedule.RunLength)
     if values["accum_freq"] is None and values["global_batch_size"] is None:
         values["accum_freq"] = 1  # with --global-batch-size, k is derived at start from the world size
     if values["dataset_type"] in (None, "auto"):  # a .csv/.tsv file is csv, other data shards, none synthetic
         values["dataset_type"] = _derived_dataset_type(values["train_data"])
-    if values["precision"] is None:
-        # CLI > preset > default: a preset named for its precision (zero2_bf16) sets --precision.
-        values["precision"] = preset_precision(values["ds_config"]) if values["ds_config"] else "fp32"
+    if values["precision"] is None:  # neither the flag nor the JSON's enabled precision section
+        values["precision"] = "fp32"
     values["precision"] = deepspeed_precision(values["precision"])  # open_clip's names -> DeepSpeed's
     if values["delete_previous_checkpoint"] and values["keep_checkpoints"] is None:
         values["keep_checkpoints"] = 1  # open_clip's flag for --keep-checkpoints 1
     s = TrainSettings.of(**values)
+    s.sources = sources
     if s.logging.name is None:
         # An automatic name is new every run, so "latest" would silently start from scratch.
         if s.checkpoint.resume == "latest":
@@ -174,6 +182,22 @@ def parse_settings(argv: list[str] | None = None) -> TrainSettings:
         s.logging.name = default_run_name(s)
     validate(s)
     return s
+
+
+def _chosen(name: str, values: dict[str, Any], sources: dict[str, str]) -> str | None:
+    """How the user chose field ``name`` ("--lr 0.001", "--recipe datacomp-small (--lr 0.001)"), or None: the
+    field is at its default, and a value in the DeepSpeed JSON may set it."""
+    how = sources.get(name)
+    if how not in ("flag", "recipe"):
+        return None
+    f = flag_named(name)
+    value = values[name]
+    shown = (
+        f.option
+        if f.is_switch
+        else f"{f.option} {value if not isinstance(value, list) else ' '.join(map(str, value))}"
+    )
+    return shown if how == "flag" else f"--recipe {values['recipe']} ({shown})"
 
 
 def _given(argv: list[str] | None) -> set[str]:
@@ -211,8 +235,9 @@ def _recipe_value(f: Flag, value: Any, recipe: str) -> Any:
     return float(value) if base is float else value
 
 
-def _with_recipe(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
-    """`values` with the recipe's settings under the flags given on the command line. A given
+def _with_recipe(values: dict[str, Any], given: set[str]) -> tuple[dict[str, Any], set[str]]:
+    """`values` with the recipe's settings under the flags given on the command line, and the fields the recipe
+    set. A given
     --global-batch-size other than the recipe's is refused: the recipe's N is the point of it."""
     recipe = values["recipe"]
     settings = load_recipe(recipe)["settings"]
@@ -232,7 +257,7 @@ def _with_recipe(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
     for name, value in settings.items():
         if name not in given:
             out[name] = _recipe_value(known[name], value, recipe)
-    return out
+    return out, set(settings) - given
 
 
 def default_run_name(s: TrainSettings, now: datetime | None = None) -> str:

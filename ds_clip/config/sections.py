@@ -283,15 +283,17 @@ class OptimSettings:
         "adamw",
         flag="--opt",
         metavar="NAME",
-        open_clip="differs: DeepSpeed's config-built adamw, lamb, lion, sgd (open_clip: adamw or timm/NAME)",
+        open_clip="differs: DeepSpeed's config-built adamw, adam, lamb, lion, muon, sgd (open_clip: adamw or timm/NAME)",
     )
     """Optimizer, built by DeepSpeed from its JSON (so ZeRO partitions it and offload presets run it on the
-    CPU): "adamw" (torch AdamW; DeepSpeed's CPU Adam under offload), "lamb" (DeepSpeed's FusedLamb: CUDA
-    only, no offload), "lion" (FusedLion on CUDA, DeepSpeed's CPU Lion under offload; on a CPU-only machine
-    only with an offload preset), "sgd" (torch SGD, --momentum). Per-tower groups and the LR schedule apply
-    to each."""
-    momentum: float | None = opt(None, metavar="M", default_text="0 (--opt sgd only)")
-    """Momentum of --opt sgd (the other optimizers have --beta1/--beta2 instead)."""
+    CPU): "adamw" (torch AdamW; DeepSpeed's CPU Adam under offload), "adam" (DeepSpeed's Adam with L2 weight
+    decay), "lamb" (DeepSpeed's FusedLamb: CUDA only, no offload), "lion" (FusedLion on CUDA, DeepSpeed's CPU Lion
+    under offload; on a CPU-only machine only with an offload preset), "muon" (DeepSpeed's Muon on both towers'
+    hidden matrices, its AdamW on embeddings, the patch stem, projections, logit scale/bias, norms and biases),
+    "sgd" (torch SGD, --momentum). A --ds-config file's optimizer block sets it when the flag is left out.
+    Per-tower groups and the LR schedule apply to each."""
+    momentum: float | None = opt(None, metavar="M", default_text="0 (--opt sgd); DeepSpeed's (--opt muon)")
+    """Momentum of --opt sgd and of Muon's matrices under --opt muon (the others have --beta1/--beta2)."""
     skip_scheduler: bool = opt(False)
     """No LR schedule: every group trains at its peak LR from the first step (no warmup, no decay), as
     open_clip without a scheduler."""
@@ -594,6 +596,18 @@ class TrainSettings:
     eval: EvalSectionSettings = field(default_factory=EvalSectionSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     dist: DistSettings = field(default_factory=DistSettings)
+    sources: dict[str, str] | None = field(default=None, compare=False, repr=False)
+    """Where each field's value came from, by field name: "flag" (given on the command line), "recipe",
+    "ds_json" (a key of the --ds-config file), "derived" (m from train_batch_size at start); a field not
+    listed holds its default. ``parse_settings`` fills it; settings built with ``TrainSettings.of`` have None,
+    and then every field counts as chosen (``chosen``)."""
+
+    def chosen(self, name: str) -> bool:
+        """Did the user choose field ``name`` (a flag or a recipe; for settings not parsed from a command line,
+        any field)? A value the JSON gave, or a default, is not a choice a JSON key can conflict with."""
+        if self.sources is None:
+            return True
+        return self.sources.get(name) in ("flag", "recipe")
 
     @classmethod
     def section_types(cls) -> dict[str, type]:
@@ -613,5 +627,7 @@ class TrainSettings:
 
 
 _SECTIONS: dict[str, type] = {
-    f.name: typing.get_type_hints(TrainSettings)[f.name] for f in dataclasses.fields(TrainSettings)
+    f.name: typing.get_type_hints(TrainSettings)[f.name]
+    for f in dataclasses.fields(TrainSettings)
+    if dataclasses.is_dataclass(typing.get_type_hints(TrainSettings)[f.name])
 }

@@ -21,14 +21,17 @@ from ds_clip.config.checks import (
     check_shards,
     need,
 )
+from ds_clip.config.flags import flag_named
 from ds_clip.config.model_checks import check_distill, check_model, check_model_flags
 from ds_clip.config.sections import CheckpointSettings, LoggingSettings, TrainSettings
 from ds_clip.ds_config import check_preset
+from ds_clip.errors import SettingsError
 
 
 def validate(s: TrainSettings) -> None:
     """Raise SettingsError naming the flag for the first bad value in `s`, the preset included. Fast: no
     deepspeed import; shard patterns, files and (for an unknown name) open_clip's model list are looked at."""
+    _check_json_batch(s)
     check_optim(s.optim)
     check_loss(s.loss)
     check_dist(s.dist)
@@ -44,6 +47,31 @@ def validate(s: TrainSettings) -> None:
     _check_resume(s.checkpoint, s.logging)
     # The DeepSpeed preset: exists, parses, and agrees with the flags (world size unknown yet).
     check_preset(s)
+
+
+def _check_json_batch(s: TrainSettings) -> None:
+    """A --ds-config file's batch triple that no world size divides, in the file's words (before check_optim
+    would name the flags its values became)."""
+    o, sources = s.optim, s.sources or {}
+    keys = {"global_batch_size": "train_batch_size", "batch_size": "train_micro_batch_size_per_gpu",
+            "accum_freq": "gradient_accumulation_steps"}  # fmt: skip
+    from_json = [f for f in keys if sources.get(f) == "ds_json"]
+    n = o.global_batch_size
+    if not from_json or n is None or sources.get("batch_size") == "derived":
+        return
+    per_rank = o.batch_size * (o.accum_freq or 1)
+    if n % per_rank:
+        shown = ", ".join(
+            f"{keys[f]}={getattr(o, f)}"
+            if sources.get(f) == "ds_json"
+            else f"{flag_named(f).option} {getattr(o, f)}"
+            for f in keys
+            if getattr(o, f) is not None
+        )
+        raise SettingsError(
+            f"the batch of {s.dist.ds_config} ({shown}) divides on no world size: N = m x k x W needs m x k = "
+            f"{per_rank} to divide N = {n}"
+        )
 
 
 def _check_resume(ck: CheckpointSettings, lg: LoggingSettings) -> None:
