@@ -21,6 +21,7 @@ from ds_clip.checkpoint.layout import (
     _step_of,
     _world,
     _write_json_atomic,
+    optimizer_param_names,
     param_shapes,
     tag_for,
 )
@@ -167,6 +168,7 @@ def save(
         "world_size": _world(),
         "zero_stage": int(engine.zero_optimization_stage()),
         "param_shapes": param_shapes(engine.module),
+        "optimizer_param_names": optimizer_param_names(engine),
         "settings": settings,
     }
     faults.maybe_kill("kill-in-save", step, _rank())
@@ -269,6 +271,7 @@ def check_fresh_run_folder(run_dir: Path, name: str) -> None:
 
 class RunFolderError(UserError):
     """A new run named like an existing one (its folder holds checkpoints) without --resume."""
+
 
 
 def prune(ckpt_root: Path, keep: int) -> list[Path]:
