@@ -194,6 +194,8 @@ class Trainer:
         if info.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             write_run_files(run_dir, settings_to_dict(self.s), self.ds)
+        # Every node sees the folder rank 0 made, or the run stops here (a node-local --logs on several nodes).
+        checkpoint.check_shared_run_folder(run_dir, Path(lg.logs), local_rank=info.local_rank)
         return run_dir
 
     def _log_precision(self) -> None:
