@@ -231,6 +231,8 @@ def _universal_dir(path: Path, meta: dict[str, Any], run_dir: Path | None, flag:
                         inject_missing_state=True,
                     )
                 )
+                if not (out / "mp_rank_00_model_states.pt").exists():
+                    _complete_zero3_universal(path, out)
             else:
                 _stage0_to_universal(path, meta, out, flag)
             (out / MARKER).write_text(path.name)
@@ -248,6 +250,29 @@ def _universal_dir(path: Path, meta: dict[str, Any], run_dir: Path | None, flag:
             "the world size and ZeRO stage it was saved with, or export it and fine-tune with --pretrained"
         )
     return out
+
+
+def _complete_zero3_universal(path: Path, out: Path) -> None:
+    """DeepSpeed 0.19.8's ``ds_to_universal`` writes a ZeRO-3 source in a variant its own ZeRO-1/2 universal load
+    cannot read: per-parameter files hold bare tensors (it reads ``{"param": tensor}``), the step count is only
+    in ``optimizer_state.pt`` (which lacks the ``ds_version`` the load asserts on), and the model-state files are
+    per rank (``zero_pp_rank_R_mp_rank_00_model_states.pt``: the load reads the scheduler and counters from
+    ``mp_rank_00_model_states.pt``). Complete it into the ZeRO-1/2 form; ds_clip's own loaders read both."""
+    import deepspeed
+
+    zero = out / "zero"
+    step = _universal_step(zero)
+    for folder in (f for f in zero.iterdir() if f.is_dir()):
+        for f in folder.glob("*.pt"):
+            t = safe_load(f)
+            if torch.is_tensor(t):
+                torch.save({"param": t}, f)
+        if any(folder.glob("exp_avg*.pt")) and not (folder / "step.pt").exists():
+            torch.save(step, folder / "step.pt")
+    optimizer_state = safe_load(zero / "optimizer_state.pt")
+    optimizer_state.setdefault("ds_version", deepspeed.__version__)
+    torch.save(optimizer_state, zero / "optimizer_state.pt")
+    shutil.copy2(sorted(path.glob("*mp_rank_00_model_states.pt"))[0], out / "mp_rank_00_model_states.pt")
 
 
 def _stage0_to_universal(path: Path, meta: dict[str, Any], out: Path, flag: str) -> None:
