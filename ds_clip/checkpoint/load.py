@@ -236,17 +236,19 @@ def _universal_dir(path: Path, meta: dict[str, Any], run_dir: Path | None, flag:
             else:
                 _stage0_to_universal(path, meta, out, flag)
             (out / MARKER).write_text(path.name)
-        except CheckpointError as exc:
-            error[0] = f"!{exc}"
+        except CheckpointError as exc:  # already one line for the user
+            error[0] = ("own", str(exc))
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
-            error[0] = f"{type(exc).__name__}: {exc}"
+            error[0] = ("conversion", f"{type(exc).__name__}: {exc}")
     error[0] = broadcast_object(error[0], src=0)
     if error[0] is not None:
-        shutil.rmtree(out, ignore_errors=True) if _rank() == 0 else None
-        if error[0].startswith("!"):
-            raise CheckpointError(error[0][1:])
+        if _rank() == 0:
+            shutil.rmtree(out, ignore_errors=True)
+        kind, text = error[0]
+        if kind == "own":
+            raise CheckpointError(text)
         raise CheckpointError(
-            f"{flag}: converting {path} to DeepSpeed's universal checkpoint failed ({error[0]}); resume on "
+            f"{flag}: converting {path} to DeepSpeed's universal checkpoint failed ({text}); resume on "
             "the world size and ZeRO stage it was saved with, or export it and fine-tune with --pretrained"
         )
     return out
@@ -296,9 +298,8 @@ def _stage0_to_universal(path: Path, meta: dict[str, Any], out: Path, flag: str)
     model_file = sorted(path.glob("*mp_rank_00_model_states.pt"))[0]
     state = safe_load(model_file)
     saved = state["optimizer"]
-    inner = saved.get(
-        "optimizer_state_dict", saved
-    )  # the bf16/fp16 wrapper keeps torch's state one level down
+    # The bf16/fp16 wrapper keeps torch's state one level down.
+    inner = saved.get("optimizer_state_dict", saved)
     masters = saved.get("fp32_groups")
     zero = out / "zero"
     for g, (group_names, group) in enumerate(zip(names, inner["param_groups"], strict=True)):
@@ -312,9 +313,8 @@ def _stage0_to_universal(path: Path, meta: dict[str, Any], out: Path, flag: str)
                     torch.save(value, folder / "step.pt")
                 elif torch.is_tensor(value) and value.numel() == fp32.numel():
                     torch.save({"param": _engine_shape(value)}, folder / f"{key}.pt")
-    for name, tensor in state[
-        "module"
-    ].items():  # frozen parameters and buffers: their values, as DeepSpeed does
+    # Frozen parameters and buffers: their values, as ds_to_universal writes them.
+    for name, tensor in state["module"].items():
         if not (zero / name).exists() and tensor.is_floating_point():
             (zero / name).mkdir(parents=True)
             torch.save({"param": _engine_shape(tensor)}, zero / name / "fp32.pt")
