@@ -174,7 +174,9 @@ def test_a_checkpoint_of_one_stage_loads_exactly_under_another_on_another_rank_c
     the next step reads are bit for bit those of the checkpoint loaded back on its own rank count and stage."""
     moved = runs["moved"][(precision, saved, resumed)]
     assert moved["keys"] and not moved["differ"], moved["differ"]
-    assert moved["step"] == [SAVE_AT]
+    # DeepSpeed's bf16 ZeRO-0 optimizer takes one step with zero gradients when it is built: its Adam count runs
+    # one ahead of the trainer's steps, and a move carries it as saved.
+    assert moved["step"] == [SAVE_AT + (precision == "bf16" and saved == 0)]
 
 
 @pytest.mark.parametrize("saved, resumed", [(s, t) for p, s, t in MOVES if p == "fp32"])
