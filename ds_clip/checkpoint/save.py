@@ -286,7 +286,7 @@ def check_shared_run_folder(run_dir: Path, logs: Path, *, local_rank: int) -> No
     token into it, the first rank of every node reads it back. A node that does not see it has a ``--logs``
     folder of its own, and there every checkpoint would be split between the nodes' disks (DeepSpeed writes
     each rank's part where that rank runs) with nothing saying so until a resume fails: RunFolderError, on
-    every rank, naming the node, before the model is built. One process group collective (no-op on one rank).
+    every rank, naming the node, before the model is built. Two small collectives (none on one rank).
     """
     if _world() == 1:
         return
