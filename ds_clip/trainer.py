@@ -217,6 +217,8 @@ class Trainer:
             # Each launch's command line, for the model card of an export (a resume adds its own line).
             with (run_dir / COMMAND_FILE).open("a") as f:
                 f.write(launch_command(sys.argv[1:]) + "\n")
+        # Every node sees the folder rank 0 made, or the run stops here (a node-local --logs on several nodes).
+        checkpoint.check_shared_run_folder(run_dir, Path(lg.logs), local_rank=info.local_rank)
         return run_dir
 
     def _log_precision(self) -> None:

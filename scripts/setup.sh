@@ -37,6 +37,21 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && [ -z "${DS_CLIP_N
   fi
 fi
 
+# The SLURM tests (tests/test_slurm.py) start their own munged, slurmctld and slurmd on this machine (one node):
+# root only, like the packages above; without root (a real cluster has its SLURM) they skip.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && [ -z "${DS_CLIP_NO_SLURM:-}" ]; then
+  if ! command -v slurmctld >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1; then
+    echo "[setup] installing slurm-wlm munge from apt (SLURM tests)"
+    apt-get update -qq >/dev/null
+    # The tests start the daemons themselves: keep apt from starting system-wide ones (policy-rc.d: "no").
+    policy=/usr/sbin/policy-rc.d own_policy=""
+    [ -e "$policy" ] || { printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod +x "$policy" && own_policy=1; }
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurm-wlm munge >/dev/null \
+      || echo "[setup] slurm-wlm/munge did not install: the SLURM tests will skip" >&2
+    [ -z "$own_policy" ] || rm -f "$policy"
+  fi
+fi
+
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"
   "$PY" -m venv .venv

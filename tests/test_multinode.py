@@ -411,3 +411,48 @@ def test_rank_that_cannot_reach_master_names_its_host(net, tmp_path):
             in out
         )
     assert "rank 0 on host dsnode1: 2 of 4 ranks did not reach the master 127.0.0.1:29515" in out
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_node_local_logs_folder_is_refused_before_step_1(net, model_dir, tmp_path):
+    """One rank per host, started on each (RANK/WORLD_SIZE/MASTER_ADDR, as a scheduler sets them), the same
+    --logs path on both; on the second host that path is a folder of its own (a bind mount in the rank's mount
+    namespace: a node-local disk). Rank 0 writes a token into the run folder, the second node's first rank does
+    not find it: every rank stops with exit 2 before the model is built, one line naming the node and the fix."""
+    logs, own_disk = tmp_path / "logs", tmp_path / "dsnode2-disk"
+    logs.mkdir()
+    own_disk.mkdir()
+    args = [sys.executable, "-m", "ds_clip.train", *_train_args(model_dir, logs, "local")]
+    port = str(_free_port())
+    procs = []
+    for rank, host in enumerate(net.hosts):
+        env = _env(net, tmp_path, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR=net.hosts[0].addr,
+                   MASTER_PORT=port)  # fmt: skip
+        cmd = args
+        if rank == 1:  # this node's --logs: its own folder at the same path
+            bind = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
+            cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", bind, "sh", str(own_disk),
+                   str(logs), *args]  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                net.on(host, cmd),
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+        )
+    outs = [p.communicate(timeout=RUN_TIMEOUT_S) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 2, out[-3000:] + err[-3000:]
+        assert "step 1/" not in out
+    err0 = outs[0][1].strip().splitlines()
+    line = next(x for x in err0 if x.startswith("ds-clip-train: error:"))
+    assert (
+        f"--logs {logs}: rank 1 on {net.hosts[1].name} does not see the run folder {logs / 'local'}" in line
+    )
+    assert "a file system all nodes share" in line and "--remote-sync" in line
+    assert not (logs / "local" / "checkpoints").exists() and not list(own_disk.iterdir())

@@ -50,6 +50,22 @@ def param_shapes(module: torch.nn.Module) -> dict[str, list[int]]:
     return {n: list(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters()}
 
 
+def optimizer_param_names(engine) -> list[list[str]] | None:
+    """ZeRO-0: the names of the optimizer's parameters, group by group, in the order its state dict numbers them.
+
+    A ZeRO-0 checkpoint keys its optimizer state by that number alone (torch's ``Optimizer.state_dict``); with the
+    names it can be written in DeepSpeed's universal layout (one folder per parameter name) and resumed on a ZeRO
+    stage that partitions. ZeRO 1-3 checkpoints carry their own names (DeepSpeed's ``param_shapes``): None.
+    """
+    opt = getattr(engine, "optimizer", None)
+    if opt is None or int(engine.zero_optimization_stage()) != 0:
+        return None
+    # bf16/fp16 ZeRO-0 wraps the torch optimizer: its groups hold fp32 copies, fp16_groups the module's own.
+    groups = getattr(opt, "fp16_groups", None) or [g["params"] for g in opt.param_groups]
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    return [[names[id(p)] for p in group] for group in groups]
+
+
 def _write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=1))

@@ -203,8 +203,10 @@ def _has_zero_files(path: Path) -> bool:
     return any(path.glob("*zero_pp_rank_*_optim_states.pt"))
 
 
-def _universal_dir(path: Path, run_dir: Path | None, flag: str) -> Path:
-    """Convert ``path`` to DeepSpeed's universal layout once (rank 0), next to this run's checkpoints."""
+def _universal_dir(path: Path, meta: dict[str, Any], run_dir: Path | None, flag: str) -> Path:
+    """``path`` in DeepSpeed's universal layout (zero/<parameter name>/{fp32,exp_avg,...}.pt), written once by
+    rank 0 next to this run's checkpoints: by DeepSpeed's ``ds_to_universal`` from a ZeRO 1-3 checkpoint, by
+    ``_stage0_to_universal`` from a ZeRO-0 one (DeepSpeed converts only partitioned checkpoints)."""
     from argparse import Namespace
 
     out_root = (run_dir / "checkpoints") if run_dir is not None else path.parent
@@ -212,46 +214,126 @@ def _universal_dir(path: Path, run_dir: Path | None, flag: str) -> Path:
     error = [None]
     if _rank() == 0 and not (out / MARKER).exists():
         try:
-            from deepspeed.checkpoint import ds_to_universal
-
             if out.exists():
                 shutil.rmtree(out)
             out.mkdir(parents=True)
-            ds_to_universal.main(
-                Namespace(
-                    input_folder=str(path),
-                    output_folder=str(out),
-                    num_extract_workers=1,
-                    num_merge_workers=1,
-                    keep_temp_folder=False,
-                    strict=True,
-                    inject_missing_state=True,
+            if _has_zero_files(path):
+                from deepspeed.checkpoint import ds_to_universal
+
+                ds_to_universal.main(
+                    Namespace(
+                        input_folder=str(path),
+                        output_folder=str(out),
+                        num_extract_workers=1,
+                        num_merge_workers=1,
+                        keep_temp_folder=False,
+                        strict=True,
+                        inject_missing_state=True,
+                    )
                 )
-            )
+                if not (out / "mp_rank_00_model_states.pt").exists():
+                    _complete_zero3_universal(path, out)
+            else:
+                _stage0_to_universal(path, meta, out, flag)
             (out / MARKER).write_text(path.name)
+        except CheckpointError as exc:  # already one line for the user
+            error[0] = ("own", str(exc))
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
-            error[0] = f"{type(exc).__name__}: {exc}"
+            error[0] = ("conversion", f"{type(exc).__name__}: {exc}")
     error[0] = broadcast_object(error[0], src=0)
     if error[0] is not None:
+        if _rank() == 0:
+            shutil.rmtree(out, ignore_errors=True)
+        kind, text = error[0]
+        if kind == "own":
+            raise CheckpointError(text)
         raise CheckpointError(
-            f"{flag}: converting {path} to DeepSpeed's universal checkpoint failed ({error[0]}); resume on "
+            f"{flag}: converting {path} to DeepSpeed's universal checkpoint failed ({text}); resume on "
             "the world size and ZeRO stage it was saved with, or export it and fine-tune with --pretrained"
         )
     return out
 
 
+def _complete_zero3_universal(path: Path, out: Path) -> None:
+    """DeepSpeed 0.19.8's ``ds_to_universal`` writes a ZeRO-3 source in a variant its own ZeRO-1/2 universal load
+    cannot read: per-parameter files hold bare tensors (it reads ``{"param": tensor}``), the step count is only
+    in ``optimizer_state.pt`` (which lacks the ``ds_version`` the load asserts on), and the model-state files are
+    per rank (``zero_pp_rank_R_mp_rank_00_model_states.pt``: the load reads the scheduler and counters from
+    ``mp_rank_00_model_states.pt``). Complete it into the ZeRO-1/2 form; ds_clip's own loaders read both."""
+    import deepspeed
+
+    zero = out / "zero"
+    step = _universal_step(zero)
+    for folder in (f for f in zero.iterdir() if f.is_dir()):
+        for f in folder.glob("*.pt"):
+            t = safe_load(f)
+            if torch.is_tensor(t):
+                torch.save({"param": t}, f)
+        if any(folder.glob("exp_avg*.pt")) and not (folder / "step.pt").exists():
+            torch.save(step, folder / "step.pt")
+    optimizer_state = safe_load(zero / "optimizer_state.pt")
+    optimizer_state.setdefault("ds_version", deepspeed.__version__)
+    torch.save(optimizer_state, zero / "optimizer_state.pt")
+    shutil.copy2(sorted(path.glob("*mp_rank_00_model_states.pt"))[0], out / "mp_rank_00_model_states.pt")
+
+
+def _stage0_to_universal(path: Path, meta: dict[str, Any], out: Path, flag: str) -> None:
+    """A ZeRO-0 checkpoint (one file: the module and the whole optimizer state) in DeepSpeed's universal layout.
+
+    The layout ``ds_to_universal`` writes, which DeepSpeed's own ZeRO-1/2 universal load reads: per parameter
+    name ``fp32.pt`` and one file per optimizer state ({"param": full tensor}), ``step.pt`` as the optimizer
+    keeps it; ``zero/optimizer_state.pt`` with the groups' hyperparameters; the model-states file beside (LR
+    scheduler, step counters). The fp32 masters: the module's own weights in fp32, the wrapper's ``fp32_groups``
+    in bf16/fp16 (never the rounded working copy). The torch state numbers parameters in group order: the
+    names come from the checkpoint's meta (``optimizer_param_names``, recorded at save).
+    """
+    import deepspeed
+
+    names = meta.get("optimizer_param_names")
+    if not names:
+        raise CheckpointError(
+            f"{flag}: {path} is a ZeRO-0 checkpoint saved without its optimizer's parameter names (an older "
+            "ds_clip); resume it with --zero-stage 0, or export it and fine-tune with --pretrained"
+        )
+    model_file = sorted(path.glob("*mp_rank_00_model_states.pt"))[0]
+    state = safe_load(model_file)
+    saved = state["optimizer"]
+    # The bf16/fp16 wrapper keeps torch's state one level down.
+    inner = saved.get("optimizer_state_dict", saved)
+    masters = saved.get("fp32_groups")
+    zero = out / "zero"
+    for g, (group_names, group) in enumerate(zip(names, inner["param_groups"], strict=True)):
+        for i, (name, index) in enumerate(zip(group_names, group["params"], strict=True)):
+            folder = zero / name
+            folder.mkdir(parents=True)
+            fp32 = _engine_shape(masters[g][i] if masters is not None else state["module"][name])
+            torch.save({"param": fp32}, folder / "fp32.pt")
+            for key, value in inner["state"].get(index, {}).items():
+                if key == "step":
+                    torch.save(value, folder / "step.pt")
+                elif torch.is_tensor(value) and value.numel() == fp32.numel():
+                    torch.save({"param": _engine_shape(value)}, folder / f"{key}.pt")
+    # Frozen parameters and buffers: their values, as ds_to_universal writes them.
+    for name, tensor in state["module"].items():
+        if not (zero / name).exists() and tensor.is_floating_point():
+            (zero / name).mkdir(parents=True)
+            torch.save({"param": _engine_shape(tensor)}, zero / name / "fp32.pt")
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in inner["param_groups"]]
+    torch.save({"param_groups": groups, "ds_version": deepspeed.__version__}, zero / "optimizer_state.pt")
+    shutil.copy2(model_file, out / model_file.name)
+
+
+def _engine_shape(t: torch.Tensor) -> torch.Tensor:
+    """fp32, with open_clip's 0-dim parameters (logit_scale, logit_bias) in the engine's shape [1]
+    (ds_clip.model.prepare_for_deepspeed): the shape DeepSpeed's universal load compares with."""
+    t = t.detach().float().clone()
+    return t.reshape(1) if t.dim() == 0 else t
+
+
 def _load_other_shape(engine, path: Path, meta: dict[str, Any], stage: int, flag: str, run_dir) -> None:
-    if meta["zero_stage"] == 0 and not _has_zero_files(path):
-        raise CheckpointError(
-            f"{flag}: the checkpoint is ZeRO-0 and this run ZeRO-{stage}: resume with --zero-stage 0 (any world "
-            "size), or export it and fine-tune with --pretrained"
-        )
-    if stage == 0:
-        raise CheckpointError(
-            f"{flag}: the checkpoint is ZeRO-{meta['zero_stage']} on {meta['world_size']} ranks; a different "
-            "world size needs ZeRO-1, 2 or 3 here (--zero-stage)"
-        )
-    universal = _universal_dir(path, run_dir, flag)
+    """Another world size or ZeRO stage: through the universal layout (``_universal_dir``), loaded by DeepSpeed
+    on ZeRO-1/2, by ds_clip on ZeRO-3 and ZeRO-0 (DeepSpeed 0.19.8 loads universal checkpoints on ZeRO-1/2 only)."""
+    universal = _universal_dir(path, meta, run_dir, flag)
     try:
         if stage in (1, 2):
             # DeepSpeed's own universal load is exact for ZeRO-1/2 (tested); the engine reads this switch at load.
@@ -263,8 +345,12 @@ def _load_other_shape(engine, path: Path, meta: dict[str, Any], stage: int, flag
                 config.load_universal_checkpoint = saved
             if load_path is None:
                 raise CheckpointError(f"{flag}: DeepSpeed found no checkpoint in {universal}")
+            _load_common(engine, path, buffers_only=True)  # a universal load leaves the module's buffers
         else:
-            _load_resharded(engine, universal / "zero")
+            if stage == 3:
+                _load_resharded(engine, universal / "zero")
+            else:
+                _load_unpartitioned(engine, universal / "zero")
             _load_common(engine, path)
     finally:
         # The converted copy (full fp32 weights and moments) is only a means of loading: drop it once all
@@ -274,23 +360,81 @@ def _load_other_shape(engine, path: Path, meta: dict[str, Any], stage: int, flag
             shutil.rmtree(universal, ignore_errors=True)
 
 
-def _load_common(engine, path: Path) -> None:
+def _load_common(engine, path: Path, *, buffers_only: bool = False) -> None:
     """What is not per parameter: LR scheduler, engine counters, module buffers (BatchNorm statistics)."""
     files = sorted(path.glob("*mp_rank_00_model_states.pt"))
     state = safe_load(files[0])
-    if engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+    if not buffers_only and engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
         sched = engine.lr_scheduler
         sched.load_state_dict(state["lr_scheduler"])
         # A scheduler writes the learning rate into the optimizer only when it steps: do it for the saved one.
         for group, lr in zip(engine.optimizer.param_groups, sched.get_last_lr()):
             group["lr"] = lr
-    engine.global_steps = state.get("global_steps", engine.global_steps)
-    engine.global_samples = state.get("global_samples", engine.global_samples)
+    if not buffers_only:
+        engine.global_steps = state.get("global_steps", engine.global_steps)
+        engine.global_samples = state.get("global_samples", engine.global_samples)
     module_state = state.get("module") or {}
     with torch.no_grad():
         for name, buf in engine.module.named_buffers():
             if name in module_state:
                 buf.copy_(module_state[name].to(buf.dtype).view_as(buf))
+
+
+def _full(file: Path) -> torch.Tensor:
+    t = safe_load(file)
+    return (t["param"] if isinstance(t, dict) else t).float()
+
+
+def _universal_step(zero_dir: Path) -> Any:
+    """The optimizer's step count in a universal checkpoint: per parameter (``step.pt``, ZeRO-1/2 and ZeRO-0
+    sources) or in ``optimizer_state.pt`` (ZeRO-3 sources). The same for every parameter (Adam's bias
+    correction)."""
+    for f in sorted(zero_dir.glob("*/step.pt")):
+        s = safe_load(f)
+        return s["param"] if isinstance(s, dict) else s
+    if (zero_dir / "optimizer_state.pt").exists():
+        common = safe_load(zero_dir / "optimizer_state.pt")
+        states = common.get("optimizer_state_dict", {}).get("state", {})
+        step = next((st["step"] for st in states.values() if "step" in st), None)
+        if step is not None:
+            return step
+    raise CheckpointError(f"universal checkpoint {zero_dir} records no optimizer step count")
+
+
+def _load_unpartitioned(engine, zero_dir: Path) -> None:
+    """ZeRO-0: full per-parameter fp32 weights and optimizer states (the universal layout) into the torch
+    optimizer's state and the module; with bf16/fp16, into the wrapper's fp32 masters and the working copies."""
+    opt = engine.optimizer
+    working = getattr(opt, "fp16_groups", None)
+    masters = getattr(opt, "fp32_groups", None) if working is not None else None
+    base = opt.optimizer if working is not None else opt
+    if working is None:
+        working = masters = [g["params"] for g in opt.param_groups]
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    common = safe_load(zero_dir / "optimizer_state.pt")
+    # SGD without momentum keeps no state at all, hence no step.
+    step = _universal_step(zero_dir) if any(zero_dir.glob("*/exp_avg*.pt")) else None
+    for g, (lp_group, hp_group) in enumerate(zip(working, masters, strict=True)):
+        for lp, hp in zip(lp_group, hp_group, strict=True):
+            folder = zero_dir / names[id(lp)]
+            if not (folder / "fp32.pt").exists():
+                raise CheckpointError(
+                    f"universal checkpoint {zero_dir} has no state for parameter {names[id(lp)]}"
+                )
+            with torch.no_grad():
+                hp.copy_(_full(folder / "fp32.pt").view_as(hp))
+                if lp is not hp:
+                    lp.copy_(hp.to(lp.dtype))
+            state = base.state[hp]
+            for f in folder.glob("*.pt"):
+                if f.stem not in ("fp32", "step"):
+                    state[f.stem] = _full(f).view_as(hp).to(device=hp.device, dtype=hp.dtype).clone()
+            if state and step is not None:  # torch's optimizers keep it as a float32 tensor by the parameter
+                state["step"] = torch.tensor(float(step), dtype=torch.float32, device=hp.device)
+        saved_group = common["param_groups"][g] if g < len(common.get("param_groups", [])) else {}
+        for key, value in saved_group.items():
+            if key in base.param_groups[g] and key != "params":
+                base.param_groups[g][key] = value
 
 
 def _load_resharded(engine, zero_dir: Path) -> None:
@@ -306,7 +450,6 @@ def _load_resharded(engine, zero_dir: Path) -> None:
             state.update(
                 step=torch.tensor(0.0), exp_avg=torch.zeros_like(flat), exp_avg_sq=torch.zeros_like(flat)
             )
-    step_value = None
     for name, p in engine.module.named_parameters():
         folder = zero_dir / name
         if not (folder / "fp32.pt").exists():
@@ -325,22 +468,15 @@ def _load_resharded(engine, zero_dir: Path) -> None:
             _copy_slice(part.data, value, rank)
             if key == "fp32":
                 _copy_slice(p.ds_tensor.data, value, rank)
-        if step_value is None and (folder / "step.pt").exists():
-            s = safe_load(folder / "step.pt")
-            step_value = s["param"] if isinstance(s, dict) else s
-    if step_value is None and (zero_dir / "optimizer_state.pt").exists():  # ZeRO-3 sources keep it here
-        common = safe_load(zero_dir / "optimizer_state.pt")
-        states = common.get("optimizer_state_dict", {}).get("state", {})
-        step_value = next((st["step"] for st in states.values() if "step" in st), None)
-    if step_value is None:
-        raise CheckpointError(f"universal checkpoint {zero_dir} records no optimizer step count")
+    step_value = _universal_step(zero_dir)
     # Adam's step count (bias correction) is kept per flat partition; the same for every parameter.
-    if step_value is not None:
-        for st in opt.optimizer.state.values():
-            if "step" in st:
-                st["step"] = (
-                    step_value.clone() if torch.is_tensor(st["step"]) else type(st["step"])(step_value)
-                )
+    for st in opt.optimizer.state.values():
+        if "step" in st:
+            st["step"] = (
+                torch.full_like(st["step"], float(step_value))
+                if torch.is_tensor(st["step"])
+                else type(st["step"])(step_value)
+            )
 
 
 def _copy_slice(dst: torch.Tensor, full: torch.Tensor, rank: int) -> None:

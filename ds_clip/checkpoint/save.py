@@ -5,7 +5,10 @@ checks of the output folder before a run starts, and pruning."""
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
+import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,7 @@ from ds_clip.checkpoint.layout import (
     _step_of,
     _world,
     _write_json_atomic,
+    optimizer_param_names,
     param_shapes,
     tag_for,
 )
@@ -171,6 +175,7 @@ def save(
         "world_size": _world(),
         "zero_stage": int(engine.zero_optimization_stage()),
         "param_shapes": param_shapes(engine.module),
+        "optimizer_param_names": optimizer_param_names(engine),
         "settings": settings,
     }
     faults.maybe_kill("kill-in-save", step, _rank())
@@ -293,6 +298,53 @@ def check_fresh_run_folder(run_dir: Path, name: str) -> None:
 
 class RunFolderError(UserError):
     """A new run named like an existing one (its folder holds checkpoints) without --resume."""
+
+
+# How long a node's first rank looks for rank 0's file: a network file system may show a new file on other nodes
+# a moment after it was written (attribute caching); a folder local to each node never shows it.
+SHARED_FOLDER_WAIT_S = 10.0
+
+
+def check_shared_run_folder(run_dir: Path, logs: Path, *, local_rank: int) -> None:
+    """Every rank calls this once the run folder exists (rank 0 made it): rank 0 writes a file with a random
+    token into it, the first rank of every node reads it back. A node that does not see it has a ``--logs``
+    folder of its own, and there every checkpoint would be split between the nodes' disks (DeepSpeed writes
+    each rank's part where that rank runs) with nothing saying so until a resume fails: RunFolderError, on
+    every rank, naming the node, before the model is built. Two small collectives (none on one rank).
+    """
+    if _world() == 1:
+        return
+    token = secrets.token_hex(16) if _rank() == 0 else None
+    probe = None
+    if _rank() == 0:
+        probe = run_dir / f".ds_clip_shared.{token}"
+        probe.write_text(token)
+    token = broadcast_object(token, src=0)  # after rank 0's write: the file exists wherever it is visible
+    seen = None  # this rank's verdict; only the first rank of each node (other than rank 0's) looks
+    if local_rank == 0 and _rank() != 0:
+        mine = run_dir / f".ds_clip_shared.{token}"
+        deadline = time.monotonic() + SHARED_FOLDER_WAIT_S
+        while True:  # polls a file for a bounded time: a shared file system may show it late
+            try:
+                seen = mine.read_text() == token
+            except OSError:
+                seen = False
+            if seen or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    verdicts = all_gather_object((socket.gethostname(), seen))
+    if probe is not None:
+        probe.unlink(missing_ok=True)
+    blind = [(r, host) for r, (host, ok) in enumerate(verdicts) if ok is False]
+    if blind:
+        r, host = blind[0]
+        others = f" (and {len(blind) - 1} more node(s))" if len(blind) > 1 else ""
+        raise RunFolderError(
+            f"--logs {logs}: rank {r} on {host}{others} does not see the run folder {run_dir} that rank 0 on "
+            f"{verdicts[0][0]} writes into, so each node has a --logs folder of its own and every checkpoint "
+            "would be split between their disks; give --logs a folder on a file system all nodes share (a "
+            "shared or network file system; --remote-sync uploads from rank 0's node only and needs it too)"
+        )
 
 
 def prune(ckpt_root: Path, keep: int) -> list[Path]:
