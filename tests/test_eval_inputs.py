@@ -303,8 +303,8 @@ def test_ds_clip_eval_reads_any_table_with_dataset_type_csv_and_skips_a_bad_clas
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_a_default_run_folder_is_what_the_readme_says_and_its_name_is_not_reused(tmp_path):
-    """One process, one step, no --report-to: settings.json, ds_config.json and checkpoints/ only (docs/start.md);
-    the same --name again without --resume: exit 2, one line, the first run's files untouched."""
+    """One process, one step, no --report-to: settings.json, ds_config.json, command.txt and checkpoints/ only
+    (docs/start.md); the same --name again without --resume: exit 2, one line, the first run's files untouched."""
     import os
     import subprocess
     import sys
@@ -316,7 +316,12 @@ def test_a_default_run_folder_is_what_the_readme_says_and_its_name_is_not_reused
     first = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     run = tmp_path / "plain"
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "ds_config.json", "settings.json"]
+    assert sorted(p.name for p in run.iterdir()) == [
+        "checkpoints",
+        "command.txt",
+        "ds_config.json",
+        "settings.json",
+    ]
     start = (root / "docs" / "start.md").read_text()
     assert "`metrics.csv` and `tensorboard/` only with `--report-to csv,tensorboard`" in start
     settings = (run / "settings.json").read_text()
