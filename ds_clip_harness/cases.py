@@ -115,8 +115,18 @@ def fp16_supported() -> bool:
     return bool(get_accelerator().is_fp16_supported())
 
 
+def fp16_cases_run() -> bool:
+    """Where the fp16 equivalence cases run: a GPU. On a CPU with AVX512-FP16 every one of a case's 3 steps
+    overflows at the presets' initial loss scale 2^16 (ds-clip-tiny skips 5 steps before its first applied one),
+    so the cases would check no optimizer step; the fp16 presets and users' fp16 files still train there
+    (tests/test_install.py, tests/test_public_ds_configs.py)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() != "cpu" and fp16_supported()
+
+
 FP16_CASES = [Case("vit", stage, "fp16", GLOBAL) for stage in (1, 2, 3)]
-CASES = _matrix() + (FP16_CASES if fp16_supported() else [])
+CASES = _matrix() + (FP16_CASES if fp16_cases_run() else [])
 FP32_CASES = [c for c in CASES if c.precision == "fp32"]
 EMA_CASES = [c for c in CASES if c.ema]
 BF16_CASES = [c for c in CASES if c.precision == "bf16"]

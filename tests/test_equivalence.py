@@ -24,7 +24,7 @@ from ds_clip_harness.cases import (
     FP32_CASES,
     Case,
     M,
-    fp16_supported,
+    fp16_cases_run,
     spec_for,
 )
 from ds_clip_harness.groups import spawn_group
@@ -169,8 +169,10 @@ def test_fp16_step_matches_single_process_full_batch(case, runs, oracles):
     """fp16 (ZeRO 1-3; ZeRO-0 fp16 is refused) vs the fp32 oracle, where the device runs fp16.
     fp16 keeps 11 significant bits (relative rounding 2^-12): bound 1e-2 per parameter; DeepSpeed's
     dynamic loss scale must be undone exactly."""
-    if not fp16_supported():
-        pytest.skip("this device has no fp16 support in DeepSpeed (a CPU without AVX512-FP16)")
+    if not fp16_cases_run():
+        pytest.skip(
+            "fp16 cases run on a GPU (ds_clip_harness.cases.fp16_cases_run: on a CPU every step overflows)"
+        )
     oracle_grads, _ = oracles(case)
     errors = oracle_errors(runs[(case.name, 2)], oracle_grads, floor=1e-2)
     worst = max(errors, key=errors.get)
@@ -201,9 +203,13 @@ def test_two_ranks_accum2_train_like_four_ranks(case, runs, models):
         assert a.losses == pytest.approx(b.losses, rel=1e-4)
     elif case.precision == "fp32":
         assert a.losses == pytest.approx(b.losses, rel=1e-5)
+        # 2% of one step: an error of the promise (a dropped micro-batch, a temperature counted twice) moves
+        # entries by O(lr). The attention key biases, whose true gradient is zero, carry the two runs' rounding
+        # through Adam: measured up to 1.08e-5 (1.08% of lr) in ZeRO-3 local tiled distillation on an AVX-512
+        # Intel CPU, 3.6e-6 on an AMD one.
         for name, pa in a.params.items():
             diff = float((pa - b.params[name]).abs().max())
-            assert diff <= 1e-2 * lr, f"{name}: max |diff| {diff:.2e}"
+            assert diff <= 2e-2 * lr, f"{name}: max |diff| {diff:.2e}"
         return
     assert a.losses == pytest.approx(b.losses, rel=3e-2)
     start = dict(build_model(models[case.model], seed=0).model.named_parameters())
