@@ -224,9 +224,14 @@ class Plan:
         teacher: Teacher | None,
         normalize: tuple[Sequence[float], Sequence[float]] | None = None,
     ) -> Plan:
+        device = torch.device(engine.device)
+        if normalize is not None:
+            # On the device once per step, not per micro-batch: a host list copied in every embed and recompute
+            # would be 2k small blocking host-to-device copies.
+            normalize = tuple(torch.as_tensor(v, dtype=torch.float32, device=device) for v in normalize)
         return cls(
             sizes=sizes,
-            device=torch.device(engine.device),
+            device=device,
             dtype=input_dtype(engine),
             seeds=seeds,
             siglip=loss_fn.spec.siglip,
@@ -265,7 +270,8 @@ class Plan:
 
 def normalize_images(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
     """uint8 NCHW images -> float32 on their device, with the arithmetic of torchvision's ToTensor then
-    Normalize (x / 255, then (x - mean) / std per channel): the same values the CPU transform gives."""
+    Normalize (x / 255, then (x - mean) / std per channel): the same values the CPU transform gives. ``mean`` and
+    ``std`` may already be float32 tensors on the images' device (then no copy is made)."""
     m = torch.as_tensor(mean, dtype=torch.float32, device=images.device)[:, None, None]
     s = torch.as_tensor(std, dtype=torch.float32, device=images.device)[:, None, None]
     return images.to(torch.float32).div_(255).sub_(m).div_(s)
