@@ -320,15 +320,18 @@ def test_wds_same_url_and_key_same_pixels_for_any_workers_ranks_and_resume(tmp_p
 
 
 @pytest.mark.parametrize("name, least_distinct", [("open_clip_default", 12), ("open_clip_timm_aug", 16)])
-def test_wds_every_sample_rank_and_epoch_gets_its_own_draw(tmp_path, name, least_distinct):
+def test_wds_every_sample_rank_and_epoch_gets_its_own_draw(tmp_path, monkeypatch, name, least_distinct):
     """One image in every sample: the tensors differ only by their draws. Before the wrapper, rank 0 and
     rank 1 (each with one worker seeded alike) drew the same crop sequence in epoch 0.
 
     open_clip's default RandomResizedCrop(scale=(0.9, 1.0)) has few distinct boxes on a small square image
     (126 at 48 px, the whole image in 9 % of draws: measured over 20 000 draws), so some samples get equal
-    crops by chance; with timm's augmentations every one of the 16 differs."""
+    crops by chance; with timm's augmentations every one of the 16 differs. A draw is a hash of the shard's
+    URL, so the shards are named by a relative path: the same draws wherever the test's folder is (an
+    absolute temporary path gave 11 to 16 distinct crops, depending on the path)."""
     transform = TRANSFORMS[name]()
-    pattern = write_image_shards(tmp_path, count=16, per_shard=4, same_image=True)
+    monkeypatch.chdir(tmp_path)
+    pattern = write_image_shards("shards", count=16, per_shard=4, same_image=True)
     ranks = wds_by_rank(pattern, transform, world_size=2, m=2, k=1, workers=1)
     epoch0 = dict(ranks[0] + ranks[1])
     epoch1 = wds_pixels(pattern, transform, world_size=2, m=2, k=1, workers=1, epoch=1)
