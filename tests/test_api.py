@@ -10,28 +10,20 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from ds_clip.ds_config import COALESCE_ENGINE_KEYS, STEP_ENGINE_KEYS, step_engine_config
 from ds_clip.presets import SettingsError
+from tests import launch
+from tests.launch import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "own_loop.py"
 W, K, STEPS = 2, 2, 2
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    return env
 
 
 def test_import_ds_clip_stays_light_and_exports_the_step():
@@ -40,7 +32,7 @@ def test_import_ds_clip_stays_light_and_exports_the_step():
     trainer uses, and an unknown name is an AttributeError."""
     code = 'import sys, ds_clip; print(sorted(m for m in ("torch", "deepspeed", "open_clip") if m in sys.modules))'
     proc = subprocess.run(
-        [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code], env=launch.environment(), capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-3000:]
 
@@ -168,12 +160,10 @@ def test_example_under_deepspeed_launcher_trains_the_one_process_oracle(tmp_path
     N = 16 pairs per step ends: every parameter incl. logit_scale within 1e-5 of the oracle's total update
     (SGD: the update is the gradient, so a gradient counted k or W times would show in full), the same losses,
     and a state_dict in open_clip's names and shapes (0-dim logit_scale)."""
-    from ds_clip.distributed import _free_port
-
     out = tmp_path / "params.pt"
-    cmd = ["deepspeed", "--num_gpus", str(W), "--master_port", str(_free_port()), str(EXAMPLE),
-           "--steps", str(STEPS), "--accum-freq", str(K), "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900)
+    cmd = launch.deepspeed(str(EXAMPLE), "--steps", str(STEPS), "--accum-freq", str(K), "--out", str(out),
+                           ranks=W, module=None)  # fmt: skip
+    proc = launch.run(cmd, cwd=tmp_path, timeout=900)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
 

@@ -10,19 +10,15 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from ds_clip.distributed import _free_port
 from ds_clip_harness.cases import ADAM, M
 from ds_clip_harness.groups import spawn_group
 from ds_clip_harness.models import CONFIGS
 from ds_clip_harness.oracle import oracle_errors, oracle_first_step
 from ds_clip_harness.runs import RunSpec, run_many, train_argv
+from tests import launch
 
 STAGES = (0, 2)
 
@@ -142,17 +138,9 @@ def test_ds_clip_train_compiled_under_the_deepspeed_launcher(group, models, tmp_
     compile and a finite loss per step, then `--resume latest` continues uncompiled from its checkpoint (a
     compiled run saves the plain model's names). Same model and shapes as the group above, so inductor
     reuses the kernels it compiled there (its cache is per user) instead of compiling again."""
-    venv_bin = Path(sys.executable).parent
-    env = {
-        **os.environ,
-        "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
-        "OMP_NUM_THREADS": "1",
-    }
     base = train_argv(_spec(models, 2, True))
     run = ["--logs", str(tmp_path), "--name", "compiled", "--log-every-n-steps", "1", "--report-to", "csv"]
-    launch = ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "ds_clip.train"]
-    proc = subprocess.run([*launch, *base, *run, "--max-steps", "2"], env=env, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+    proc = launch.run(launch.deepspeed(*base, *run, "--max-steps", "2"), timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "--torchcompile: model compiled" in out
@@ -160,7 +148,6 @@ def test_ds_clip_train_compiled_under_the_deepspeed_launcher(group, models, tmp_
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == [1, 2] and all(math.isfinite(float(r["loss"])) for r in rows)
     eager = [a for a in base if a != "--torchcompile"]
-    proc = subprocess.run([*launch, *eager, *run, "--max-steps", "3", "--resume", "latest"], env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    proc = launch.run(launch.deepspeed(*eager, *run, "--max-steps", "3", "--resume", "latest"), timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "at step 2" in out, out[-4000:]

@@ -14,12 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_clip.distributed import _free_port
 from ds_clip_harness.models import COCA_E2E_MODEL, E2E_MODEL, E2E_TEACHER, write_pretrained_dir
-from tests import shm_files
-
-ROOT = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
+from tests import launch, shm_files
+from tests.launch import ROOT
 
 M, K, W, STEPS = 4, 2, 2, 4
 
@@ -31,17 +28,8 @@ def model_dir(tmp_path_factory) -> str:
     return f"local-dir:{d}"
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = str(ROOT)
-    env["PYTHONUNBUFFERED"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 def _run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return launch.run(cmd, timeout=timeout)
 
 
 def _train_args(model: str, logs: Path, name: str, *extra: str, steps: int = STEPS) -> list[str]:
@@ -86,11 +74,10 @@ def test_deepspeed_launcher_trains_and_resumes(model_dir, tmp_path):
     a live process maps stays."""
     ports: list[int] = []
     while len(ports) < 4:  # two launches, and the ports named by the planted buffers
-        ports += [q for q in [_free_port()] if q not in ports]
+        ports += [q for q in [launch.free_port()] if q not in ports]
     args = _train_args(model_dir, tmp_path, "ds")
-    launch = ["deepspeed", "--num_gpus", "2", "--master_port"]
     with shm_files.stale_and_live(ports[2], ports[3]) as planted:
-        proc = _run([*launch, str(ports[0]), "--module", "ds_clip.train", *args])
+        proc = _run(launch.deepspeed(*args, port=ports[0]))
         assert not planted.stale.exists() and planted.live.exists()
     _check_run(proc, tmp_path / "ds")
     said = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "ds_clip.shm: removed" in ln]
@@ -99,7 +86,7 @@ def test_deepspeed_launcher_trains_and_resumes(model_dir, tmp_path):
     # The resume turns the weight EMA on: the checkpoint has none, so it starts from the resumed weights and says
     # so once; the next checkpoint holds one file of it per rank, and ds-clip-export --ema writes it.
     more = _train_args(model_dir, tmp_path, "ds", "--ema-decay", "0.9", steps=STEPS + 2)
-    proc = _run([*launch, str(ports[1]), "--module", "ds_clip.train", *more, "--resume", "latest"])
+    proc = _run(launch.deepspeed(*more, "--resume", "latest", port=ports[1]))
     out = proc.stdout + proc.stderr
     assert "resumed from" in out and "at step 4" in out
     assert out.count("was saved without a weight EMA; the average starts from its weights") == 1, out[-3000:]
@@ -139,10 +126,7 @@ def test_deepspeed_launcher_trains_coca_decoder(coca_dir, tmp_path):
         "--model", coca_dir, "--batch-size", str(M), "--accum-freq", str(k), "--max-steps", str(steps),
         "--log-every-n-steps", "1", "--logs", str(tmp_path), "--name", "coca", "--workers", "1", "--warmup", "1",
     ]  # fmt: skip
-    from ds_clip.distributed import _free_port
-
-    port = str(_free_port())  # not the launcher's default 29500, which another job on the machine may hold
-    proc = _run(["deepspeed", "--num_gpus", "2", "--master_port", port, "--module", "ds_clip.train", *args])
+    proc = _run(launch.deepspeed(*args))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     seen = [int(x) for x in re.findall(r"^step \d+/\d+ \| epoch \d+ \| samples (\d+)", proc.stdout, re.M)]
@@ -175,8 +159,7 @@ def test_deepspeed_launcher_trains_distilled_with_accum_freq_4(model_dir, tmp_pa
         "--log-every-n-steps", "1", "--logs", str(tmp_path), "--name", "distill", "--workers", "1",
         "--warmup", "1", "--distill-model", teacher,
     ]  # fmt: skip
-    port = str(_free_port())  # not the launcher's default 29500, which another job on the machine may hold
-    proc = _run(["deepspeed", "--num_gpus", "2", "--master_port", port, "--module", "ds_clip.train", *args])
+    proc = _run(launch.deepspeed(*args))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     seen = [int(x) for x in re.findall(r"^step \d+/\d+ \| epoch \d+ \| samples (\d+)", proc.stdout, re.M)]
@@ -287,7 +270,7 @@ def test_only_rank_0_speaks_about_the_command_line(args):
     as srun), so a job shows it once. Every rank exits with the same status."""
     for var in ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
         for rank, quiet in (("0", False), ("1", True)):
-            env = {**_env(), var: rank}
+            env = launch.environment(**{var: rank})
             p = subprocess.run(
                 [sys.executable, "-m", "ds_clip.train", *args], cwd=ROOT, env=env, capture_output=True,
                 text=True, timeout=120,
@@ -313,17 +296,7 @@ def test_fp16_on_a_cpu_without_it_is_one_line_once_per_job(model_dir, tmp_path):
     traceback (DeepSpeed's own `ValueError` traceback came from every rank). DeepSpeed's launch.py still adds
     its own line naming the rank's command and status 2 (docs/faults.md)."""
     args = _train_args(model_dir, tmp_path, "fp16", "--precision", "amp")
-    cmd = [
-        "deepspeed",
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(_free_port()),
-        "--module",
-        "ds_clip.train",
-        *args,
-    ]
-    p = _run(cmd)
+    p = _run(launch.deepspeed(*args))
     out = p.stdout + p.stderr
     assert p.returncode == 2, out[-4000:]
     errors = [line for line in out.splitlines() if "ds-clip-train: error:" in line]

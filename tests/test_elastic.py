@@ -11,9 +11,7 @@ CLI, a real SIGKILL of one agent and everything under it (ds_clip_harness.elasti
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,9 +20,9 @@ import torch
 
 from ds_clip_harness.elastic import one_host_then_two, two_hosts_one_dies
 from ds_clip_harness.models import E2E_MODEL
+from tests import launch
+from tests.launch import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
 M, N, STEPS, SAVE_EVERY, KILL_AT = 2, 8, 10, 3, 5
 TIMEOUT_S = 900
 # Attention key biases get exactly zero gradient (softmax ignores them), so AdamW at eps 1e-6 turns their
@@ -43,18 +41,6 @@ def model_dir(tmp_path_factory) -> str:
     d = tmp_path_factory.mktemp("elastic_model")
     (d / "open_clip_config.json").write_text(json.dumps({"model_cfg": E2E_MODEL, "preprocess_cfg": {}}))
     return f"local-dir:{d}"
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = str(ROOT)
-    env["PYTHONUNBUFFERED"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(VENV_BIN.parent / "torch_extensions"))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DS_CLIP_INJECT_FAULT"):
-        env.pop(k, None)
-    return env
 
 
 def _args(model: str, logs: Path, name: str) -> list[str]:
@@ -82,7 +68,7 @@ def test_a_host_dies_and_the_other_finishes_the_same_run(model_dir, tmp_path):
     run = two_hosts_one_dies(
         _args(model_dir, logs, "elastic"),
         kill_at_step=KILL_AT,
-        env=_env(),
+        env=launch.environment(),
         cwd=ROOT,
         timeout_s=TIMEOUT_S,
         log_dir=tmp_path,
@@ -102,10 +88,10 @@ def test_a_host_dies_and_the_other_finishes_the_same_run(model_dir, tmp_path):
     assert seen[STEPS] == STEPS * N
 
     ref_logs = tmp_path / "ref"
-    ref = subprocess.run(
+    ref = launch.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--no-python",
          "--", sys.executable, "-m", "ds_clip.train", *_args(model_dir, ref_logs, "ref")],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S,
+        timeout=TIMEOUT_S,
     )  # fmt: skip
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
     elastic, uninterrupted = _final(logs / "elastic"), _final(ref_logs / "ref")
@@ -121,10 +107,7 @@ def test_resume_latest_without_a_checkpoint_starts_from_scratch(model_dir, tmp_p
 
     def run(steps: int) -> str:
         args = [*_args(model_dir, logs, "requeue"), "--max-steps", str(steps), "--save-every-n-steps", "1"]
-        proc = subprocess.run(
-            [sys.executable, "-m", "ds_clip.train", *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
-            timeout=TIMEOUT_S,
-        )  # fmt: skip
+        proc = launch.run([sys.executable, "-m", "ds_clip.train", *args], timeout=TIMEOUT_S)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, out[-4000:]
         return out
@@ -144,7 +127,7 @@ def test_a_host_that_joins_makes_the_world_larger_and_loses_no_step(model_dir, t
     grow = ["--max-steps", str(steps), "--log-every-n-steps", "10", "--save-every-n-steps", "100"]
     args = [*_args(model_dir, tmp_path / "logs", "grow"), *grow]
     a, b = one_host_then_two(
-        args, join_at_step=20, env=_env(), cwd=ROOT, timeout_s=TIMEOUT_S, log_dir=tmp_path
+        args, join_at_step=20, env=launch.environment(), cwd=ROOT, timeout_s=TIMEOUT_S, log_dir=tmp_path
     )
     out = a.text + "\n" + b.text
     assert a.returncode == 0 and b.returncode == 0, out[-6000:]

@@ -26,9 +26,7 @@ features promise. Four short runs of `ds-clip-train` under the real launchers (d
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -38,33 +36,13 @@ import torch
 
 from ds_clip import ema
 from ds_clip.checkpoint import MARKER, POINTER, tag_for
-from ds_clip.distributed import _free_port
 from ds_clip_harness.models import COCA_E2E_MODEL, E2E_MODEL, write_pretrained_dir
+from tests import launch
 
-ROOT = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
 M = 4
 TIMEOUT_S = 300
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1",
-               OMP_NUM_THREADS="1")  # fmt: skip
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(VENV_BIN.parent / "torch_extensions"))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DS_CLIP_INJECT_FAULT"):
-        env.pop(k, None)
-    return env
-
-
-def _deepspeed(args: list[str]) -> list[str]:
-    return ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "ds_clip.train", *args]  # fmt: skip
-
-
-def _torchrun(args: list[str]) -> list[str]:
-    return ["torchrun", "--nproc-per-node", "1", "--master-port", str(_free_port()), "-m", "ds_clip.train", *args]  # fmt: skip
 
 
 def _ranks(launcher_pid: int) -> list:
@@ -83,9 +61,8 @@ def _ranks(launcher_pid: int) -> list:
 def _run(cmd: list[str], stop_at: str | None = None) -> tuple[int, str]:
     """Run to the end; with ``stop_at``, SIGTERM every rank (as SLURM's preemption does) when a line starts
     with it."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
-    watchdog = threading.Timer(TIMEOUT_S, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    proc = launch.start(cmd, merge_stderr=True)
+    watchdog = threading.Timer(TIMEOUT_S, lambda: launch.kill(proc))
     watchdog.start()
     lines, sent = [], 0
     try:
@@ -117,8 +94,7 @@ def _args(model: str, logs: Path, name: str, remote: Path, *extra: str, steps: i
 def _export(run: Path, out: Path, *flags: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    proc = subprocess.run([sys.executable, "-m", "ds_clip.export", str(run), str(out), *flags], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
+    proc = launch.run([sys.executable, "-m", "ds_clip.export", str(run), str(out), *flags], timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return load_file(str(out / "open_clip_model.safetensors"))
 
@@ -137,7 +113,7 @@ def test_pretrained_resume_global_batch_ema_validation_remote(tmp_path):
     published = load_file(str(tmp_path / "model" / "open_clip_model.safetensors"))
     visual = [k for k in published if k.startswith("visual.")]
     logs, remote, run = tmp_path / "logs", tmp_path / "remote", tmp_path / "logs" / "p"
-    rc, out = _run(_deepspeed(_args(model, logs, "p", remote, "--lock-image", steps=2)))
+    rc, out = _run(launch.deepspeed(*_args(model, logs, "p", remote, "--lock-image", steps=2)))
     assert rc == 0, out[-4000:]
     assert "no complete checkpoint in the run folder yet; the model starts from the weights in --model" in out
     assert "k derived from --global-batch-size 16 on 2 ranks" in out and "accum-freq k=2" in out, out[-3000:]
@@ -150,7 +126,7 @@ def test_pretrained_resume_global_batch_ema_validation_remote(tmp_path):
     step2 = remote / "p" / "checkpoints" / tag_for(2)
     assert (step2 / MARKER).exists() and ema.rank_files(step2), sorted(p.name for p in step2.iterdir())
 
-    rc, out = _run(_torchrun(_args(model, logs, "p", remote, "--lock-image", steps=4)))
+    rc, out = _run(launch.torchrun(*_args(model, logs, "p", remote, "--lock-image", steps=4)))
     assert rc == 0, out[-4000:]
     assert "resumed from" in out and "at step 2" in out and "on a new world size" in out, out[-3000:]
     assert "k derived from --global-batch-size 16 on 1 ranks" in out and "accum-freq k=4" in out, out[-3000:]
@@ -173,7 +149,7 @@ def test_coca_stop_signal_ema_remote_then_resume(tmp_path):
     )
     logs, remote, run = tmp_path / "logs", tmp_path / "remote", tmp_path / "logs" / "c"
     args = _args(f"local-dir:{model}", logs, "c", remote, steps=6)
-    rc, out = _run(_deepspeed(args), stop_at="step 1/6")
+    rc, out = _run(launch.deepspeed(*args), stop_at="step 1/6")
     assert rc == 0, out[-4000:]
     saved = [ln for ln in out.splitlines() if "saved checkpoint" in ln]
     assert saved, out[-3000:]
@@ -182,7 +158,7 @@ def test_coca_stop_signal_ema_remote_then_resume(tmp_path):
     assert (ckpt / MARKER).exists() and ema.rank_files(ckpt)
     assert (remote / "c" / "checkpoints" / tag_for(stopped) / MARKER).exists()  # the sync after the signal
 
-    rc, out = _run(_deepspeed(args))
+    rc, out = _run(launch.deepspeed(*args))
     assert rc == 0, out[-4000:]
     assert f"at step {stopped}" in out and "done: 6 steps" in out, out[-3000:]
     decoder = [k for k in _export(run, tmp_path / "e") if k.startswith("text_decoder.")]

@@ -20,12 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_clip.distributed import _free_port
 from ds_clip_harness.models import E2E_MODEL
+from tests import launch
 from tests.hub_server import StandInHub
+from tests.launch import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
 TAG_REPO = "laion/CLIP-ViT-B-32-laion2B-s34B-b79K"
 HUB_MODEL = "ds-clip-test/tiny-clip"
 TOKENIZER_REPO = "ds-clip-test/tiny-tokenizer"
@@ -111,13 +110,8 @@ def hub(tmp_path_factory):
 
 
 def _env(hub: StandInHub, cache: Path, **extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("HF_HUB_OFFLINE", None)
-    env.update(
-        PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
+    env = launch.environment(
         PYTHONPATH=f"{hub.site}{os.pathsep}{ROOT}",
-        PYTHONUNBUFFERED="1",
-        OMP_NUM_THREADS="1",
         HF_ENDPOINT=hub.url,
         HF_HOME=str(cache),
         HF_HUB_DISABLE_TELEMETRY="1",
@@ -125,12 +119,13 @@ def _env(hub: StandInHub, cache: Path, **extra: str) -> dict[str, str]:
         no_proxy="127.0.0.1,localhost",
         DS_CLIP_TEST_CONFIGS=str(hub.configs),
     )
+    env.pop("HF_HUB_OFFLINE", None)
     env.update(extra)
     return env
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return launch.run(cmd, env=env, timeout=timeout)
 
 
 def _train_args(model: str, logs: Path, name: str, *extra: str, steps: int = 2) -> list[str]:
@@ -211,12 +206,11 @@ def test_two_ranks_fetch_once_lock_image_keeps_the_hub_tower_and_resume_fetches_
     filled cache makes none either."""
     hub.reset()
     env = _env(hub, tmp_path / "hf")
-    launch = ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "ds_clip.train"]
     # --skip-scheduler: a constant LR, so the resumed step still moves the text tower (a cosine schedule restored
     # from the 2-step run would be at its end, LR 0).
     lit = ("--zero-stage", "3", "--lock-image", "--skip-scheduler")
     args = _train_args(f"hf-hub:{HUB_MODEL}", tmp_path / "logs", "hub", *lit)
-    proc = _run([*launch, *args], env)
+    proc = _run(launch.deepspeed(*args), env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     for repo, name in (
         (HUB_MODEL, "open_clip_config.json"),
@@ -233,9 +227,8 @@ def test_two_ranks_fetch_once_lock_image_keeps_the_hub_tower_and_resume_fetches_
     assert (tmp_path / "export" / "tokenizer.json").is_file()
 
     hub.reset()
-    launch[4] = str(_free_port())
     more = _train_args(f"hf-hub:{HUB_MODEL}", tmp_path / "logs", "hub", *lit, steps=3)
-    proc = _run([*launch, *more, "--resume", "latest"], env)
+    proc = _run(launch.deepspeed(*more, "--resume", "latest"), env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "at step 2" in out, out[-4000:]
     assert hub.total() == 0, dict(hub.requests)
@@ -243,10 +236,9 @@ def test_two_ranks_fetch_once_lock_image_keeps_the_hub_tower_and_resume_fetches_
     assert all(torch.equal(resumed[k], hub_state[k]) for k in visual)
     assert not torch.equal(resumed["text_projection"], exported["text_projection"])  # trained on from step 2
 
-    launch[4] = str(_free_port())
     offline = {**env, "HF_HUB_OFFLINE": "1"}
     proc = _run(
-        [*launch, *_train_args(f"hf-hub:{HUB_MODEL}", tmp_path / "logs", "offline", steps=1)], offline
+        launch.deepspeed(*_train_args(f"hf-hub:{HUB_MODEL}", tmp_path / "logs", "offline", steps=1)), offline
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert hub.total() == 0, dict(hub.requests)
@@ -261,22 +253,15 @@ def test_real_tag_on_two_hosts_fetches_once_per_host_and_first_eval_equals_open_
     evaluation is its evaluation of the tag's weights, and it equals ds-clip-eval's evaluation of open_clip.create_model_and_transforms("ViT-B-32",
     pretrained="laion2b_s34b_b79k") read offline from one host's cache (no request)."""
     hub.reset()
-    port = _free_port()
+    port = launch.free_port()
     args = _train_args("ViT-B-32", tmp_path / "logs", "tag", "--pretrained", "laion2b_s34b_b79k", "--lr", "1e-12",
                        "--val-data", "synthetic", "--val-num-samples", "64", steps=1)  # fmt: skip
     procs = []
     for node in (0, 1):
-        cmd = [
-            "torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
-            "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "ds_clip.train", *args,
-        ]  # fmt: skip
+        cmd = launch.torchrun(*args, nodes=2, node_rank=node, port=port)
         env = _env(hub, tmp_path / f"host{node}")
-        procs.append(
-            subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-        )
-    outs = [p.communicate(timeout=600)[0] for p in procs]
+        procs.append(launch.start(cmd, env=env, merge_stderr=True))
+    outs = [launch.finish(p).stdout for p in procs]
     errors = [ln for o in outs for ln in o.splitlines() if "error" in ln.lower()]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(errors[:20]) or outs[0][-3000:]
     assert hub.gets(TAG_REPO, WEIGHTS) == 2, dict(hub.requests)
@@ -324,7 +309,7 @@ def _pt_bytes(state: dict[str, torch.Tensor]) -> bytes:
 def test_unknown_repo_and_unreachable_hub_are_one_line_exit_2(hub, tmp_path):
     """A repo the hub does not have, and a hub that does not answer: exit 2 before any engine starts, one line
     naming the flag, the repo, the file and the cache folder."""
-    _, closed_port = _free_port(), _free_port()
+    _, closed_port = launch.free_port(), launch.free_port()
     for endpoint, repo in (
         (hub.url, "ds-clip-test/no-such-model"),
         (f"http://127.0.0.1:{closed_port}", HUB_MODEL),
@@ -405,19 +390,20 @@ def test_distill_from_a_pretrained_tag_fetches_the_teacher_once_per_host(hub, tm
 
     student = write_pretrained_dir(tmp_path / "student", E2E_MODEL)
     teacher = ("--distill-model", "ViT-B-32", "--distill-pretrained", "laion2b_s34b_b79k")
-    launch = ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "ds_clip.train"]
     hub.reset()
     offline = _env(hub, tmp_path / "hf", HF_HUB_OFFLINE="1")
-    proc = _run([*launch, *_train_args(student, tmp_path / "logs", "refused", *teacher, steps=1)], offline)
+    proc = _run(
+        launch.deepspeed(*_train_args(student, tmp_path / "logs", "refused", *teacher, steps=1)), offline
+    )
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("ds-clip-train: error:")]
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert errors and TAG_REPO in errors[0] and len(set(errors)) == 1, proc.stderr[-3000:]
     assert hub.total() == 0, dict(hub.requests)
 
     hub.reset()
-    launch[4] = str(_free_port())
     proc = _run(
-        [*launch, *_train_args(student, tmp_path / "logs", "distill", *teacher)], _env(hub, tmp_path / "hf")
+        launch.deepspeed(*_train_args(student, tmp_path / "logs", "distill", *teacher)),
+        _env(hub, tmp_path / "hf"),
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -446,11 +432,10 @@ def test_resume_latest_on_a_first_start_loads_the_published_weights(hub, tmp_pat
     ]
     env = _env(hub, tmp_path / "hf")
     for name, model, extra, published, said in cases:
-        launch = ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "ds_clip.train"]  # fmt: skip
         args = _train_args(
             model, tmp_path / "logs", name, *extra, "--lock-image", "--resume", "latest", steps=1
         )
-        proc = _run([*launch, *args], env)
+        proc = _run(launch.deepspeed(*args), env)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, out[-4000:]
         exported = _exported(tmp_path / "logs" / name, tmp_path / f"export-{name}", env)

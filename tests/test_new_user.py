@@ -22,12 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_clip.distributed import _free_port
 from ds_clip.train import main as train_main
 from ds_clip_harness.groups import spawn_group
 from ds_clip_harness.models import E2E_MODEL
+from tests import launch
 from tests.data.test_csv import write_table
-from tests.test_e2e import _run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -388,8 +387,7 @@ def test_bad_input_found_by_the_ranks_is_one_agreed_error_per_job(tmp_path):
 
 
 def _launch(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
-    launch = ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "ds_clip.train"]
-    return _run([*launch, *argv])
+    return launch.run(launch.deepspeed(*argv))
 
 
 @pytest.mark.e2e
@@ -422,7 +420,7 @@ def test_a_run_as_a_new_user_starts_it_under_the_deepspeed_launcher(tmp_path):
     errors = _error_lines(out)
     assert len(errors) == 1 and "fewer than one global batch N = W*k*m = 16" in errors[0], out[-3000:]
     (left,) = (tmp_path / "few_logs").iterdir()
-    export = _run([sys.executable, "-m", "ds_clip.export", str(left), str(tmp_path / "nothing")])
+    export = launch.run([sys.executable, "-m", "ds_clip.export", str(left), str(tmp_path / "nothing")])
     assert export.returncode == 2 and len(_error_lines(export.stderr, "ds-clip-export")) == 1, export.stderr
     assert "is a run folder whose run saved no checkpoint" in export.stderr and "partial" not in export.stderr
 
@@ -456,7 +454,7 @@ def test_a_run_as_a_new_user_starts_it_under_the_deepspeed_launcher(tmp_path):
     export = tmp_path / "export"
     assert export_main([str(run_dir), str(export)]) == 0
     weights = (export / "open_clip_model.safetensors").stat().st_mtime_ns
-    again = _run([sys.executable, "-m", "ds_clip.export", str(run_dir), str(export)])
+    again = launch.run([sys.executable, "-m", "ds_clip.export", str(run_dir), str(export)])
     assert again.returncode == 2 and len(_error_lines(again.stderr, "ds-clip-export")) == 1, again.stderr
     assert "already holds an export" in again.stderr and "--overwrite" in again.stderr
     assert (export / "open_clip_model.safetensors").stat().st_mtime_ns == weights

@@ -18,9 +18,9 @@ import pytest
 
 from ds_clip import train
 from ds_clip.config import ANSWERED, TrainSettings, build_parser, flags, parse_settings
-from ds_clip.distributed import _free_port
 from ds_clip.ds_config import resolve_deepspeed, resolve_ds_config
 from ds_clip.presets import PRECISION_MAP, SettingsError
+from tests import launch
 from tests.test_config import _doc_generator  # scripts/gen_configuration_doc.py also reads open_clip's parser
 
 REPO = Path(__file__).resolve().parent.parent
@@ -346,9 +346,6 @@ def test_open_clip_command_line_trains_under_the_deepspeed_launcher(tmp_path):
     both ranks' shares of the 12 images; Lion (DeepSpeed's CPU Lion under the offload preset; on CUDA its
     FusedLion) at a constant LR. One launch."""
     import csv
-    import os
-    import subprocess
-    import sys
 
     import torch
 
@@ -368,12 +365,7 @@ def test_open_clip_command_line_trains_under_the_deepspeed_launcher(tmp_path):
         "--imagenet-v2", str(tmp_path / "inet"), "--workers", "1", "--log-every-n-steps", "1",
         "--report-to", "csv", "--logs", str(tmp_path / "logs"), "--name", "oc",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{env.get('PATH', '')}"
-    proc = subprocess.run(
-        ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "ds_clip.train", *argv],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+    proc = launch.run(launch.deepspeed(*argv), timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     run = tmp_path / "logs" / "oc"

@@ -36,9 +36,9 @@ import torch
 from ds_clip import checkpoint as ck
 from ds_clip import remote as rm
 from ds_clip_harness.models import E2E_MODEL
+from tests import launch
+from tests.launch import ROOT, VENV_BIN
 
-ROOT = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
 M, K, W = 4, 2, 2
 TIMEOUT_S = 240
 ERROR = "ds-clip-train: error:"
@@ -71,25 +71,6 @@ def _flip_middle(path: Path, n: int = 64) -> None:
         f.write(bytes(b ^ 0xFF for b in chunk))
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = str(ROOT)
-    env["PYTHONUNBUFFERED"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(VENV_BIN.parent / "torch_extensions"))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DS_CLIP_INJECT_FAULT"):
-        env.pop(k, None)
-    env.update(extra)
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _error_lines(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if ln.startswith(ERROR)]
 
@@ -110,30 +91,19 @@ def _args(model: str, logs: Path, name: str, *extra: str, steps: int) -> list[st
 
 
 def _single(args: list[str], **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ds_clip.train", *args],
-        cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=TIMEOUT_S,
-    )  # fmt: skip
+    return launch.run(
+        [sys.executable, "-m", "ds_clip.train", *args], env=launch.environment(**env), timeout=TIMEOUT_S
+    )
 
 
 def _deepspeed(args: list[str], **env: str) -> subprocess.Popen:
-    """The real launcher in its own process group (so a kill takes the launcher and its ranks together)."""
-    cmd = ["deepspeed", "--num_gpus", str(W), "--master_port", str(_free_port()), "--module", "ds_clip.train"]
-    return subprocess.Popen(
-        [*cmd, *args], cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
+    """The real launcher in its own session (so a kill takes the launcher and its ranks together)."""
+    return launch.start(launch.deepspeed(*args, ranks=W), env=launch.environment(**env), merge_stderr=True)
 
 
 def _finish(proc: subprocess.Popen) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"the launcher did not end within {TIMEOUT_S} s:\n{out[-4000:]}")
-    return proc.returncode, out
+    done = launch.finish(proc, TIMEOUT_S)
+    return done.returncode, done.stdout
 
 
 # ------------------------------------------------------------------------------------- checksums
@@ -250,7 +220,7 @@ def test_unwritable_remote_is_one_line_exit_2(tmp_path, model_dir):
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """moto's S3 server on 127.0.0.1 and the environment that points s3fs at it; a bucket "ckpt"."""
-    port = _free_port()
+    port = launch.free_port()
     log = tmp_path_factory.mktemp("moto") / "moto.log"
     with log.open("w") as out:
         server = subprocess.Popen(
@@ -511,7 +481,7 @@ def test_full_disk_save_is_one_line_keeps_the_last_complete_and_continue_retries
     proc = subprocess.Popen(
         [sys.executable, "-m", "ds_clip.train", *_args(model_dir, disk / "logs", "go", *args,
                                                           "--on-save-failure", "continue", steps=6)],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT, env=launch.environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     seen = []
     for ln in proc.stdout:  # waits on the run's own lines, bounded by the run's length

@@ -24,10 +24,10 @@ from PIL import Image
 
 from ds_clip.config import DataSettings, parse_settings
 from ds_clip.data.loader import DataError, build_train_data
-from ds_clip.distributed import _free_port
 from ds_clip.geometry import BatchGeometry
 from ds_clip.train import main as train_main
 from ds_clip_harness.models import E2E_MODEL
+from tests import launch
 from tests.data.tokens import byte_tokenizer, detok
 from tests.test_e2e import K, M, W, _check_run, _run, _train_args
 
@@ -222,13 +222,11 @@ def test_ds_clip_train_on_a_tsv_under_the_deepspeed_launcher_resumes(tmp_path):
     )
     model = f"local-dir:{tmp_path / 'model'}"
     table = write_table(tmp_path / "data", 3 * K * M * W, size=32)
-    port = str(_free_port())  # not the launcher's default 29500, which another job on the machine may hold
-    launch = ["deepspeed", "--num_gpus", "2", "--master_port", port, "--module", "ds_clip.train"]
-    launch += ["--train-data", str(table)]
-    proc = _run([*launch, *_train_args(model, tmp_path, "csv", steps=2)])
+    data = ["--train-data", str(table)]
+    proc = _run(launch.deepspeed(*data, *_train_args(model, tmp_path, "csv", steps=2)))
     _check_run(proc, tmp_path / "csv", steps=2)
     assert json.loads((tmp_path / "csv" / "settings.json").read_text())["dataset_type"] == "csv"
-    proc = _run([*launch, *_train_args(model, tmp_path, "csv", steps=4), "--resume", "latest"])
+    proc = _run(launch.deepspeed(*data, *_train_args(model, tmp_path, "csv", steps=4), "--resume", "latest"))
     assert "resumed from" in proc.stdout + proc.stderr and "at step 2" in proc.stdout + proc.stderr
     _check_run(proc, tmp_path / "csv", steps=4, first=3)
     assert "step 4/4 | epoch 1 |" in proc.stdout

@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import tarfile
 from pathlib import Path
 
@@ -25,8 +24,9 @@ import pytest
 
 from ds_clip.data.loader import DataError
 from ds_clip.data.wds import count_samples
+from tests import launch
 from tests.data.test_wds import build, captions
-from tests.test_remote import _env, _finish, _free_port, _s3fs, model_dir, s3  # noqa: F401 - fixtures
+from tests.test_remote import _finish, _s3fs, model_dir, s3  # noqa: F401 - fixtures
 
 FIXTURE = Path(__file__).resolve().parent / "img2dataset"
 PATTERN = "{00000..00002}.tar"
@@ -125,14 +125,12 @@ def test_ds_clip_train_trains_img2dataset_shards_from_s3_under_the_launcher(mode
     --train-num-samples: the counts come from the stats files in the bucket (the log line says so), and the
     run trains an epoch of 23 // (W k m = 8) = 2 steps, with the default --decode fast (uint8 micro-batches
     normalised by the step)."""
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "ds_clip.train"]
     args = [
         "--model", model_dir, "--batch-size", "2", "--accum-freq", "2", "--epochs", "1", "--workers", "1",
         "--log-every-n-steps", "1", "--logs", str(tmp_path), "--name", "i2d", "--report-to", "csv",
         "--warmup", "1", "--train-data", bucket,
     ]  # fmt: skip
-    proc = subprocess.Popen([*cmd, *args], cwd=Path(__file__).resolve().parents[2], env=_env(**s3),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    proc = launch.start(launch.deepspeed(*args), env=launch.environment(**s3), merge_stderr=True)
     code, out = _finish(proc)
     assert code == 0, out[-4000:]
     assert "samples: 23 samples in 3 shards, counts of 3 from img2dataset's NNNNN_stats.json files" in out, (

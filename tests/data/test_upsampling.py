@@ -18,11 +18,11 @@ from PIL import Image
 
 from ds_clip.data.loader import DataSettings, build_train_data
 from ds_clip.data.synthetic import render_pair
-from ds_clip.distributed import _free_port
 from ds_clip.geometry import BatchGeometry
 from ds_clip.shards import Sample, write_shards
 from ds_clip.train import main as train_main
 from ds_clip_harness.models import E2E_MODEL
+from tests import launch
 from tests.data.tokens import byte_tokenizer, detok
 from tests.test_e2e import _check_run, _run, _train_args
 
@@ -120,8 +120,7 @@ def test_ds_clip_train_with_upsampling_factors_under_the_deepspeed_launcher(tmp_
         patterns.append(str(folder / "{00000..00001}.tar"))
     args = _train_args(f"local-dir:{tmp_path / 'model'}", tmp_path, "mix", steps=2)
     data = ["--train-data", "::".join(patterns), "--dataset-resampled", "--train-num-samples", "64"]
-    proc = _run(["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "ds_clip.train", *args, *data,
-                 "--train-data-upsampling-factors", "1::3"])  # fmt: skip
+    proc = _run(launch.deepspeed(*args, *data, "--train-data-upsampling-factors", "1::3"))
     _check_run(proc, tmp_path / "mix", steps=2)
     settings = json.loads((tmp_path / "mix" / "settings.json").read_text())
     assert settings["train_data_upsampling_factors"] == "1::3"
