@@ -62,6 +62,8 @@ class CostSettings:
     precision: str = "fp32"
     threads: int = 1
     seed: int = 0
+    phases: bool = False
+    """After the timed rounds, one more step of each side under torch.profiler: time per phase."""
 
 
 def bound(k: int) -> float:
@@ -74,6 +76,7 @@ def _group(s: CostSettings) -> list[dict]:
     import open_clip
     import torch
     import torch.distributed as dist
+    from torch.profiler import record_function
 
     from benchmarks.bench_accum import resolve_model
     from ds_clip.config import parse_settings
@@ -131,12 +134,15 @@ def _group(s: CostSettings) -> list[dict]:
         engine = plain.engine
         engine.set_train_batch_size(k * m * world)  # gradient_accumulation_steps = k
         for img, txt in pool[:k]:
-            out = engine(image=img, text=txt)
-            loss = plain_loss(
-                out["image_features"].float(), out["text_features"].float(), out["logit_scale"].float()
-            )
-            engine.backward(loss)
-            engine.step()  # DeepSpeed updates at the k-th call only
+            with record_function("plain.forward"):
+                out = engine(image=img, text=txt)
+            with record_function("plain.loss_backward"):
+                loss = plain_loss(
+                    out["image_features"].float(), out["text_features"].float(), out["logit_scale"].float()
+                )
+                engine.backward(loss)
+            with record_function("plain.optimizer"):
+                engine.step()  # DeepSpeed updates at the k-th call only
 
     def timed(fn, k: int) -> float:
         dist.barrier()
@@ -159,6 +165,7 @@ def _group(s: CostSettings) -> list[dict]:
                 t = timed(fn, k)
                 if round_ > 0:
                     times.setdefault((mode, k), []).append(t)
+    phases = {k: _phases(sides, k) for k in ks} if s.phases else {}
     stage = int(cached.engine.zero_optimization_stage())
     rows = []
     for k in ks:
@@ -168,11 +175,27 @@ def _group(s: CostSettings) -> list[dict]:
                 "model": name, "W": world, "m": m, "k": k, "N": world * k * m, "zero": stage,
                 "preset": ds.preset, "cached_s": c, "plain_s": p, "ratio": c / p, "bound": bound(k),
                 "cached_all_s": times[("cached", k)], "plain_all_s": times[("plain", k)],
+                **({"phases_s": phases[k]} if phases else {}),
             }
         )  # fmt: skip
     for built in (cached, plain):
         built.engine.destroy()
     return rows
+
+
+def _phases(sides, k: int) -> dict[str, float]:
+    """One step of each side under torch.profiler: seconds in each named range (the cached step's own
+    ``ds_clip.step.*`` ranges, the plain loop's ``plain.*``), and the forwards and backwards inside them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out: dict[str, float] = {}
+    for _, fn in sides:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn(k)
+        for event in prof.key_averages():
+            if event.key.startswith(("ds_clip.step.", "plain.")):
+                out[event.key] = event.cpu_time_total / 1e6
+    return out
 
 
 def machine() -> dict:
@@ -200,6 +223,13 @@ def table(rows: list[dict]) -> str:
             f"| {r['model']} | {r['W']} | {r['zero']} ({r['preset']}) | {r['m']} | {r['k']} | {r['N']} | "
             f"{r['cached_s']:.3f} | {r['plain_s']:.3f} | **{r['ratio']:.2f}** | {r['bound']:.2f} |"
         )
+    phased = [r for r in rows if r.get("phases_s")]
+    if phased:
+        names = sorted({n for r in phased for n in r["phases_s"]})
+        out += ["", "| W | k | " + " | ".join(names) + " |", "|---:|---:|" + "---:|" * len(names)]
+        for r in phased:
+            cells = " | ".join(f"{r['phases_s'].get(n, 0.0):.3f}" for n in names)
+            out.append(f"| {r['W']} | {r['k']} | {cells} |")
     return "\n".join(out)
 
 
@@ -216,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=d.steps, help="timed rounds after one warm-up round")
     p.add_argument("--precision", choices=["fp32", "bf16"], default=d.precision)
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
+    p.add_argument(
+        "--phases", action="store_true", help="then one profiled step of each side: seconds per phase"
+    )
     p.add_argument("--json", type=Path, default=None, help="write the rows and the machine here")
     a = p.parse_args(argv)
     for flag, values in (("--batch-size", [a.batch_size]), ("--k", a.k), ("--world-sizes", a.world_sizes),
@@ -226,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--json: folder {a.json.parent} does not exist")
     s = CostSettings(
         model=a.model, image_size=a.image_size or None, micro_batch_size=a.batch_size, accum_freqs=a.k,
-        world_sizes=a.world_sizes, steps=a.steps, precision=a.precision, threads=a.threads,
+        world_sizes=a.world_sizes, steps=a.steps, precision=a.precision, threads=a.threads, phases=a.phases,
     )  # fmt: skip
     from ds_clip_harness.groups import spawn_group
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from ds_clip import distributed
 from ds_clip.caption import CaptionLoss
@@ -481,11 +482,17 @@ def cached_step(
     """
     sizes = check_step_call(engine, micro_batches, loss_fn, micro_batch_seeds)  # host sync 1 (W > 1)
     plan = Plan.decide(engine, loss_fn, sizes, micro_batch_seeds, caption, teacher, image_normalize)
-    cache = _embed(engine, micro_batches, plan)
+    # The phases are named ranges in torch.profiler (and in Nsight Systems under torch.autograd.profiler.emit_nvtx):
+    # where a step's time goes (benchmarks/bench_exactness_cost.py --phases). Without a profiler a range costs
+    # microseconds.
+    with record_function("ds_clip.step.embed"):
+        cache = _embed(engine, micro_batches, plan)
     scale_out, rng_after = cache.out0["logit_scale"], cache.rng_after
-    grads = _full_batch_grads(cache, loss_fn, plan)  # host sync 2: the finiteness flag
+    with record_function("ds_clip.step.loss"):
+        grads = _full_batch_grads(cache, loss_fn, plan)  # host sync 2: the finiteness flag
     if grads is not None:
-        _push_back(engine, micro_batches, plan, cache, grads)
+        with record_function("ds_clip.step.push_back"):
+            _push_back(engine, micro_batches, plan, cache, grads)
     # Micro-batch 0's outputs (a CoCa decoder's logits among them) are not held through the optimizer step.
     del cache
     rng_after.restore()
@@ -493,7 +500,8 @@ def cached_step(
         nan = torch.tensor(float("nan"))
         scale = scale_out.detach().float().reshape(())
         return StepResult(nan, scale, local_samples=sum(sizes), micro_batches=plan.k, skipped=True)
-    engine.step()
+    with record_function("ds_clip.step.optimizer"):
+        engine.step()
     if plan.coalesce:
         # Managed mode counts train_batch_size = m·W samples per step(); this step trained k·m·W.
         engine.global_samples += (plan.k - 1) * engine.train_batch_size()

@@ -162,3 +162,30 @@ def test_exactness_cost_bound_and_profile_groups():
         "aten::gelu": "rest",
     }
     assert {op: profile_step.group_of(op) for op in groups} == groups
+
+
+def test_exactness_cost_phases_name_where_each_side_spends_its_step(tmp_path):
+    """--phases: one profiled step of each side, split by the cached step's own named ranges (the same ranges a
+    user's torch.profiler trace shows) and the plain loop's."""
+    from benchmarks import bench_exactness_cost
+
+    out = tmp_path / "cost.json"
+    argv = [
+        "--model",
+        "ds-clip-tiny",
+        "--k",
+        "2",
+        "--world-sizes",
+        "1",
+        "--steps",
+        "1",
+        "--phases",
+        "--json",
+        str(out),
+    ]
+    assert bench_exactness_cost.main(argv) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    phases = row["phases_s"]
+    cached = {f"ds_clip.step.{p}" for p in ("embed", "loss", "push_back", "optimizer")}
+    plain = {f"plain.{p}" for p in ("forward", "loss_backward", "optimizer")}
+    assert set(phases) == cached | plain and all(v > 0 for v in phases.values()), phases
