@@ -117,7 +117,7 @@ def _trunk_problem(trunk: nn.Module | None, v: dict) -> str | None:
         return f"{name}: its attention pooler's latents, position embedding or q/k norms)"
     if not isinstance(pool.norm, nn.LayerNorm) or pool.mlp.fc1.out_features != blocks[0].mlp.fc1.out_features:
         return f"{name}: its attention pooler's norm or MLP width)"
-    if len({type(b.mlp.act) for b in blocks} | {type(pool.mlp.act)}) != 1:
+    if len({_act(b.mlp.act) for b in blocks} | {_act(pool.mlp.act)}) != 1:
         return f"{name}: activations that differ between layers)"
     if len({n.eps for b in blocks for n in (b.norm1, b.norm2)} | {trunk.norm.eps, pool.norm.eps}) != 1:
         return f"{name}: LayerNorm eps that differ between layers)"
