@@ -291,6 +291,8 @@ def test_siglip_architecture_exports_as_siglip_model(runs, tmp_path, capsys):
         logits = logits + oc_model.logit_bias
         _close(out.logits_per_image, logits)
         _close(torch.sigmoid(out.logits_per_image), torch.sigmoid(logits))
+        direct = SiglipModel.from_pretrained(hf_dir, **load).eval()
+        _close(direct(pixel_values=pixels, **inputs).logits_per_image, logits)
         vision = SiglipVisionModel.from_pretrained(hf_dir, **load).eval()
         _close(vision(pixel_values=pixels).pooler_output, img)
         text = SiglipTextModel.from_pretrained(hf_dir, **load).eval()
