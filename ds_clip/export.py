@@ -1,8 +1,8 @@
 """Export a ds_clip checkpoint as an open_clip model (consolidated fp32 weights in open_clip's names and shapes) or
-as a transformers CLIPModel folder, each with a model card (README.md) ready for the hub.
+as a transformers CLIPModel or SiglipModel folder, each with a model card (README.md) ready for the hub.
 
     ds-clip-export logs/RUN/checkpoints/step_00001000 OUT     # or logs/RUN (its latest complete checkpoint)
-    ds-clip-export logs/RUN OUT --format transformers         # CLIPModel, tokenizer, processor (ds_clip.hf_export)
+    ds-clip-export logs/RUN OUT --format transformers         # CLIPModel or SiglipModel, tokenizer, processor (hf_export)
     hf upload YOUR_ORG/YOUR_MODEL OUT . --repo-type model     # the hub's own upload, printed by the export
 
 OUT gets ``open_clip_config.json`` ({"model_cfg", "preprocess_cfg"}) and ``open_clip_model.safetensors``:
@@ -129,8 +129,8 @@ def export(
 ) -> Path:
     """Write the export of ``checkpoint`` into OUT and return OUT: with ``fmt`` "open_clip", open_clip_config.json and
     open_clip_model.safetensors (and, for a model whose tokenizer lives on the hub, that tokenizer's files: open_clip
-    reads a local-dir: model's tokenizer from its folder); with "transformers", transformers' CLIPModel folder
-    (ds_clip.hf_export). Both get a model card, README.md (ds_clip.model_card). ``ema``: the weight EMA of the
+    reads a local-dir: model's tokenizer from its folder); with "transformers", transformers' CLIPModel folder, or
+    SiglipModel for the SigLIP architecture (ds_clip.hf_export, ds_clip.hf_siglip). Both get a model card, README.md (ds_clip.model_card). ``ema``: the weight EMA of the
     trained parameters (--ema-decay) in place of their live values; buffers and frozen parameters, which no optimizer
     moves, are the live ones. A model transformers cannot represent, or a missing transformers, is refused before
     anything is written; so is an OUT that already holds an export, unless ``overwrite`` (as ds-clip-shards refuses
@@ -159,7 +159,13 @@ def export(
     state = consolidated_state_dict(path)
     state.update(averaged)
     state = to_open_clip(state, model)
-    built = hf_export.build_transformers(state, model_cfg, preprocess_cfg) if fmt == "transformers" else None
+    text_cfg = model_cfg.get("text_cfg") or {}
+    hf_tokenizer = _hf_tokenizer(text_cfg, cache_dir) if text_cfg.get("hf_tokenizer_name") else None
+    built = (
+        hf_export.build_transformers(state, model_cfg, preprocess_cfg, hf_tokenizer)
+        if fmt == "transformers"
+        else None
+    )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if built is not None:
@@ -174,16 +180,15 @@ def export(
             "ds_clip_weights": "ema" if ema else "live",
         }
         save_file(state, str(out / WEIGHTS_FILE), metadata=metadata)
-        tokenizer = model_cfg.get("text_cfg", {}).get("hf_tokenizer_name")
-        if tokenizer:
-            _save_hub_tokenizer(tokenizer, out, cache_dir)
+        if hf_tokenizer is not None:  # open_clip reads a local-dir: model's tokenizer from its folder
+            hf_tokenizer.tokenizer.save_pretrained(str(out))
     command = ["ds-clip-export", checkpoint, str(out), *(["--ema"] if ema else [])]
     bias = state.get("logit_bias")
     write_card(
         out, meta=meta, checkpoint=path, fmt=fmt, command=shlex.join([*command, "--format", fmt]),
         weights=f"weight EMA (--ema-decay {meta.get('settings', {}).get('ema_decay')})" if ema else "trained weights",
         logit_scale=float(state["logit_scale"]) if "logit_scale" in state else None,
-        logit_bias=float(bias) if bias is not None else None,
+        logit_bias=float(bias) if bias is not None else None, hf_class=hf_export.target(model_cfg),
     )  # fmt: skip
     return out
 
@@ -199,29 +204,38 @@ def _resolve_export_source(checkpoint: str) -> Path:
     return resolve(None, checkpoint)
 
 
-def _save_hub_tokenizer(name: str, out: Path, cache_dir: str | None) -> None:
-    """The hub tokenizer ``name`` (from the cache, fetched when missing and allowed) saved into ``out``."""
+def _hf_tokenizer(text_cfg: dict, cache_dir: str | None):
+    """open_clip's HFTokenizer of ``text_cfg`` (its hf_tokenizer_name, context length and tokenizer_kwargs): a
+    local folder as it is, a hub tokenizer from the cache (fetched when missing and allowed)."""
     from ds_clip import hub
 
-    need = hub.Need(
-        f"the checkpoint's tokenizer {name}", "tokenizer", name, ("tokenizer_config.json",), cache_dir
-    )
-    command = f"python -m ds_clip.fetch --model hf-hub:{name}"
-    if hub.is_offline():
-        hub.refuse_uncached([need], command)
-    else:
-        hub.fetch([need], command)
+    name = text_cfg["hf_tokenizer_name"]
+    if not Path(name).expanduser().is_dir():
+        need = hub.Need(
+            f"the checkpoint's tokenizer {name}", "tokenizer", name, ("tokenizer_config.json",), cache_dir
+        )
+        command = f"python -m ds_clip.fetch --model hf-hub:{name}"
+        if hub.is_offline():
+            hub.refuse_uncached([need], command)
+        else:
+            hub.fetch([need], command)
     from open_clip.tokenizer import HFTokenizer
 
     with hub.offline():
-        HFTokenizer(name, cache_dir=cache_dir).tokenizer.save_pretrained(str(out))
+        return HFTokenizer(
+            str(Path(name).expanduser()) if Path(name).expanduser().is_dir() else name,
+            context_length=text_cfg.get("context_length", 77),
+            cache_dir=cache_dir,
+            tokenizer_mode=text_cfg.get("tokenizer_mode"),
+            **(text_cfg.get("tokenizer_kwargs") or {}),
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = Parser(
         prog="ds-clip-export",
         description="Write a ds_clip checkpoint as an open_clip model folder (open_clip_config.json + safetensors) "
-        "or a transformers CLIPModel folder, with a model card (README.md).",
+        "or a transformers CLIPModel or SiglipModel folder, with a model card (README.md).",
     )
     p.add_argument(
         "checkpoint", help="checkpoint folder (checkpoints/step_N), checkpoints folder, or run folder"
@@ -236,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         "--format",
         choices=FORMATS,
         default="open_clip",
-        help="open_clip (open_clip_config.json + open_clip_model.safetensors) or transformers (CLIPModel, "
-        "tokenizer and processor; needs pip install 'ds_clip[hf]')",
+        help="open_clip (open_clip_config.json + open_clip_model.safetensors) or transformers (CLIPModel, or "
+        "SiglipModel for a SigLIP-architecture model, with tokenizer and processor; needs pip install 'ds_clip[hf]')",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an export already in the output folder")
     add_flags(p, ["cache_dir"])

@@ -1,7 +1,14 @@
-"""An open_clip CLIP as a transformers folder: ``CLIPModel`` weights and config, the CLIP tokenizer, the processor.
+"""An open_clip model as a transformers folder: ``CLIPModel`` (or ``SiglipModel``) weights and config, the tokenizer,
+the processor.
 
     ds-clip-export logs/RUN OUT --format transformers
     CLIPModel.from_pretrained(OUT), AutoModel, CLIPVisionModel, CLIPTextModel, AutoTokenizer, AutoProcessor
+    (a SigLIP-architecture model: SiglipModel, SiglipVisionModel, SiglipTextModel; ds_clip.hf_siglip)
+
+The format follows the model's architecture, not its loss: open_clip's own towers (a ViT with a class token, a
+causal text transformer) map to ``CLIPModel`` (this module); the SigLIP architecture of open_clip's SigLIP configs
+(a timm ``vit_*_siglip_*`` tower, a bidirectional text tower pooled at its last position, a Hugging Face tokenizer)
+maps to ``SiglipModel`` (ds_clip.hf_siglip); ``target`` says which, and ``unmappable`` names what maps to neither.
 
 The key mapping is ds_clip's own, written after transformers' converters from OpenAI/open_clip-style state
 dicts (``models/clip/convert_clip_original_pytorch_to_hf.py``, ``models/metaclip_2/convert_metaclip_2_to_hf.py``):
@@ -10,7 +17,7 @@ weights of bias-free ``nn.Linear`` layers; ``ln_pre``/``ln_post``/``ln_final`` a
 ``post_layernorm``, ``final_layer_norm``.
 
 What the towers compute must be what transformers' CLIP computes, or the export would load and give other
-features. ``unmappable`` names the first thing that differs (CoCa's text decoder, a timm or Hugging Face tower,
+features. ``unmappable`` names the first thing that differs (CoCa's text decoder, a Hugging Face text tower,
 a ResNet, attentional or average pooling, layer scale, custom attention blocks, a text tower without its causal
 mask or pooled elsewhere than its end-of-text token, another tokenizer); ``ds-clip-export`` refuses it in one
 line before anything is written.
@@ -22,9 +29,11 @@ every transformers version (4.x and 5.x pool this way). The tokenizer pads with 
 so token ids are equal position by position; ``split_special_tokens`` keeps a ``!`` in a caption from being read
 as that pad token (open_clip encodes it as an ordinary ``!``).
 
-A SigLIP-trained open_clip CLIP (``init_logit_bias``) keeps CLIP's towers (class token, causal text mask), which
-transformers' ``SiglipModel`` cannot hold: it is exported as ``CLIPModel`` and the learnt bias is kept in the
-config as ``logit_bias`` (sigmoid(logits_per_image + logit_bias) are SigLIP's pair probabilities).
+A CLIP-architecture model trained with the SigLIP loss (``--siglip``, ``init_logit_bias``) keeps CLIP's towers
+(class token, causal text mask, end-of-text pooling), which transformers' ``SiglipModel`` cannot hold (its vision
+tower has no class token and pools by attention, its text tower attends both ways and pools the last position): it
+is exported as ``CLIPModel`` and the learnt bias is kept in the config as ``logit_bias``
+(sigmoid(logits_per_image + logit_bias) are SigLIP's pair probabilities).
 """
 
 from __future__ import annotations
@@ -35,18 +44,23 @@ from typing import Any
 
 import torch
 
+from ds_clip import hf_siglip
 from ds_clip.errors import UserError
+from ds_clip.hf_towers import (
+    RESAMPLE,
+    UnmappableError,
+    block_problem,
+    eps,
+    image_kwargs,
+    layer_keys,
+    load_strictly,
+    refuse_leftovers,
+    side,
+)
 
 INSTALL_HINT = "pip install 'ds_clip[hf]'"
 # open_clip's CLIP tokenizer (SimpleTokenizer): its ids for the special tokens and the padding.
 SOT_ID, EOT_ID, PAD_ID, CLIP_VOCAB = 49406, 49407, 0, 49408
-# Block options of open_clip's towers that transformers' CLIP layers do not have.
-_CUSTOM_BLOCK = ("qk_norm", "scaled_cosine_attn", "scale_heads", "scale_attn_inner", "scale_attn", "scale_fc")
-_RESAMPLE = {"bicubic": 3, "bilinear": 2}  # PIL's codes, which CLIPImageProcessor's resample takes
-
-
-class UnmappableError(UserError):
-    """A model (or preprocessing) that transformers' CLIP classes cannot represent; the message names it."""
 
 
 class MissingTransformersError(UserError):
@@ -64,8 +78,6 @@ def require_transformers() -> None:
 
 
 def _vision_problem(v: dict) -> str | None:
-    if v.get("timm_model_name"):
-        return f"the timm image tower {v['timm_model_name']!r} (vision_cfg.timm_model_name)"
     if not isinstance(v.get("layers", 12), int):
         return "the ResNet image tower (vision_cfg.layers is a list)"
     if v.get("attentional_pool"):
@@ -82,7 +94,7 @@ def _vision_problem(v: dict) -> str | None:
         size = v.get(key)
         if isinstance(size, (list, tuple)) and len(set(size)) != 1:
             return f"a non-square vision_cfg.{key} {list(size)}"
-    return _block_problem(v, "vision_cfg")
+    return block_problem(v, "vision_cfg")
 
 
 def _text_problem(t: dict) -> str | None:
@@ -103,25 +115,25 @@ def _text_problem(t: dict) -> str | None:
         return f"the text tower's pooling text_cfg.pool_type={pool!r} (CLIP pools the end-of-text token)"
     if t.get("proj_bias") or t.get("proj_type", "linear") != "linear":
         return "the text projection of text_cfg.proj_bias/proj_type (CLIP's is one bias-free linear map)"
-    return _block_problem(t, "text_cfg")
+    return block_problem(t, "text_cfg")
 
 
-def _block_problem(cfg: dict, name: str) -> str | None:
-    if cfg.get("ls_init_value") is not None:
-        return f"layer scale ({name}.ls_init_value)"
-    if cfg.get("block_type") not in (None, "default") or any(cfg.get(k) for k in _CUSTOM_BLOCK):
-        return f"custom attention blocks ({name}.block_type or one of {', '.join(_CUSTOM_BLOCK)})"
-    if cfg.get("act_kwargs"):
-        return f"activation options ({name}.act_kwargs)"
-    if set(cfg.get("norm_kwargs") or {}) - {"eps"}:
-        return f"LayerNorm options other than eps ({name}.norm_kwargs)"
-    return None
+def target(model_cfg: dict) -> str:
+    """The transformers class this open_clip model maps to: ``SiglipModel`` for the SigLIP architecture (a timm
+    image tower, ds_clip.hf_siglip), else ``CLIPModel`` (open_clip's own towers, whatever the loss trained them)."""
+    return hf_siglip.TARGET if hf_siglip.is_siglip_architecture(model_cfg) else "CLIPModel"
 
 
 def unmappable(model_cfg: dict, preprocess_cfg: dict | None = None) -> str | None:
-    """What of this open_clip model (or its preprocessing) transformers' CLIP classes cannot represent, or None."""
+    """What of this open_clip model (or its preprocessing) the transformers class it maps to (``target``) cannot
+    represent, or None."""
     if model_cfg.get("multimodal_cfg"):
         return "CoCa's text decoder (multimodal_cfg)"
+    if hf_siglip.is_siglip_architecture(model_cfg):
+        problem = hf_siglip.unmappable(model_cfg, preprocess_cfg)
+        if problem is None and model_cfg.get("init_logit_bias") is None:
+            return "a SigLIP-architecture model without logit_bias (init_logit_bias; SiglipModel's sigmoid needs it)"
+        return problem
     problem = _vision_problem(model_cfg.get("vision_cfg") or {}) or _text_problem(
         model_cfg.get("text_cfg") or {}
     )
@@ -130,7 +142,7 @@ def unmappable(model_cfg: dict, preprocess_cfg: dict | None = None) -> str | Non
     p = preprocess_cfg or {}
     if p.get("resize_mode", "shortest") not in ("shortest", "squash"):
         return f"preprocess_cfg resize_mode {p['resize_mode']!r} (CLIPImageProcessor resizes the shortest side or squashes)"
-    if p.get("interpolation", "bicubic") not in _RESAMPLE:
+    if p.get("interpolation", "bicubic") not in RESAMPLE:
         return f"preprocess_cfg interpolation {p['interpolation']!r}"
     return None
 
@@ -139,17 +151,9 @@ def check_mappable(model_cfg: dict, preprocess_cfg: dict | None = None) -> None:
     problem = unmappable(model_cfg, preprocess_cfg)
     if problem:
         raise UnmappableError(
-            f"--format transformers: {problem} cannot be mapped to transformers' CLIPModel; "
+            f"--format transformers: {problem} cannot be mapped to transformers' {target(model_cfg)}; "
             "export it with --format open_clip"
         )
-
-
-def _side(size: Any) -> int:
-    return int(size[0]) if isinstance(size, (list, tuple)) else int(size)
-
-
-def _eps(cfg: dict) -> float:
-    return float((cfg.get("norm_kwargs") or {}).get("eps", 1e-5))  # open_clip's LayerNorm default
 
 
 def clip_config_kwargs(model_cfg: dict, logit_scale: float, logit_bias: float | None) -> dict[str, Any]:
@@ -164,11 +168,11 @@ def clip_config_kwargs(model_cfg: dict, logit_scale: float, logit_bias: float | 
         "intermediate_size": int(width * v.get("mlp_ratio", 4.0)),
         "num_hidden_layers": int(v.get("layers", 12)),
         "num_attention_heads": width // int(v.get("head_width", 64)),
-        "image_size": _side(v.get("image_size", 224)),
-        "patch_size": _side(v.get("patch_size", 16)),
+        "image_size": side(v.get("image_size", 224)),
+        "patch_size": side(v.get("patch_size", 16)),
         "num_channels": 3,
         "hidden_act": act,
-        "layer_norm_eps": _eps(v),
+        "layer_norm_eps": eps(v),
         "projection_dim": embed_dim,
     }
     text = {
@@ -179,7 +183,7 @@ def clip_config_kwargs(model_cfg: dict, logit_scale: float, logit_bias: float | 
         "num_attention_heads": int(t.get("heads", 8)),
         "max_position_embeddings": int(t.get("context_length", 77)),
         "hidden_act": act,
-        "layer_norm_eps": _eps(t),
+        "layer_norm_eps": eps(t),
         "projection_dim": embed_dim,
         # eos_token_id 49407 (not the legacy 2): transformers then pools the first end-of-text token, the
         # position open_clip's argmax pooling takes (module docstring).
@@ -198,37 +202,6 @@ def clip_config_kwargs(model_cfg: dict, logit_scale: float, logit_bias: float | 
             logit_bias
         )  # kept as a config attribute: CLIPModel has no bias parameter
     return kwargs
-
-
-def _layer_keys(src: str, dst: str, state: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> set[str]:
-    """Map the resblocks under ``src`` (``transformer.resblocks``) to transformers' layers under ``dst``."""
-    used = set()
-    names = {
-        "ln_1": "layer_norm1",
-        "ln_2": "layer_norm2",
-        "attn.out_proj": "self_attn.out_proj",
-        "mlp.c_fc": "mlp.fc1",
-        "mlp.c_proj": "mlp.fc2",
-    }
-    prefix = f"{src}."
-    for key, value in state.items():
-        if not key.startswith(prefix):
-            continue
-        index, rest = key[len(prefix) :].split(".", 1)
-        layer = f"{dst}.{index}"
-        if rest in ("attn.in_proj_weight", "attn.in_proj_bias"):
-            kind = rest.rsplit("_", 1)[1]  # weight | bias
-            for name, part in zip(("q_proj", "k_proj", "v_proj"), value.chunk(3, dim=0)):
-                out[f"{layer}.self_attn.{name}.{kind}"] = part
-        else:
-            module, kind = rest.rsplit(".", 1)
-            if module not in names:
-                raise UnmappableError(
-                    f"--format transformers: {key} cannot be mapped to transformers' CLIPModel"
-                )
-            out[f"{layer}.{names[module]}.{kind}"] = value
-        used.add(key)
-    return used
 
 
 def clip_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -267,35 +240,21 @@ def clip_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if src in state:
             out[dst] = state[src].t()  # open_clip computes x @ proj; nn.Linear computes x @ weight.T
             used.add(src)
-    used |= _layer_keys("visual.transformer.resblocks", "vision_model.encoder.layers", state, out)
-    used |= _layer_keys(f"{text}transformer.resblocks", "text_model.encoder.layers", state, out)
-    left = sorted(set(state) - used)
-    if left:
-        raise UnmappableError(f"--format transformers: {left[0]} cannot be mapped to transformers' CLIPModel")
+    used |= layer_keys("visual.transformer.resblocks", "vision_model.encoder.layers", state, out, "CLIPModel")
+    used |= layer_keys(f"{text}transformer.resblocks", "text_model.encoder.layers", state, out, "CLIPModel")
+    refuse_leftovers(state, used, "CLIPModel")
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
 def image_processor_kwargs(model_cfg: dict, preprocess_cfg: dict | None) -> dict[str, Any]:
     """``CLIPImageProcessor`` settings equal to open_clip's eval transform of this preprocess config."""
     p = preprocess_cfg or {}
-    side = _side(p.get("size") or model_cfg["vision_cfg"].get("image_size", 224))
-    mean = list(p.get("mean") or (0.48145466, 0.4578275, 0.40821073))  # open_clip's OPENAI_DATASET_MEAN/STD
-    std = list(p.get("std") or (0.26862954, 0.26130258, 0.27577711))
-    square = {"height": side, "width": side}
-    kwargs: dict[str, Any] = {
-        "do_resize": True,
-        "resample": _RESAMPLE[p.get("interpolation", "bicubic")],
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": mean,
-        "image_std": std,
-        "do_convert_rgb": True,
-    }
+    size, kwargs = image_kwargs(model_cfg, p)
+    square = {"height": size, "width": size}
     if p.get("resize_mode", "shortest") == "squash":  # open_clip: Resize((s, s)), no crop
         kwargs.update(size=square, do_center_crop=False, crop_size=square)
     else:  # open_clip: Resize(s) of the shortest side, CenterCrop(s)
-        kwargs.update(size={"shortest_edge": side}, do_center_crop=True, crop_size=square)
+        kwargs.update(size={"shortest_edge": size}, do_center_crop=True, crop_size=square)
     return kwargs
 
 
@@ -342,10 +301,16 @@ def build_tokenizer(context_length: int):
         )
 
 
-def build_transformers(state: dict[str, torch.Tensor], model_cfg: dict, preprocess_cfg: dict | None):
+def build_transformers(
+    state: dict[str, torch.Tensor], model_cfg: dict, preprocess_cfg: dict | None, hf_tokenizer=None
+):
     """transformers' ``CLIPModel`` holding ``state`` (the open_clip model's weights, as ds_clip.export loaded them
     strictly into open_clip's model: every CLIPModel key filled, no open_clip tensor left over) and its
-    ``CLIPProcessor``; built in memory, so that a model that does not map is refused before anything is written."""
+    ``CLIPProcessor``, or for the SigLIP architecture ``SiglipModel`` and ``SiglipProcessor`` (``hf_tokenizer``:
+    open_clip's HFTokenizer of the model); built in memory, so that a model that does not map is refused before
+    anything is written."""
+    if hf_siglip.is_siglip_architecture(model_cfg):
+        return hf_siglip.build_siglip(state, model_cfg, preprocess_cfg, hf_tokenizer)
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
     bias = state.get("logit_bias")
@@ -356,11 +321,7 @@ def build_transformers(state: dict[str, torch.Tensor], model_cfg: dict, preproce
     )
     config.architectures = ["CLIPModel"]
     model = CLIPModel(config)
-    missing, unexpected = model.load_state_dict(clip_state_dict(state), strict=False)
-    if missing or unexpected:
-        raise UnmappableError(
-            f"--format transformers: CLIPModel {'lacks ' + missing[0] if missing else 'has no ' + unexpected[0]}"
-        )
+    load_strictly(model, clip_state_dict(state), "CLIPModel")
     processor = CLIPProcessor(
         image_processor=CLIPImageProcessor(**image_processor_kwargs(model_cfg, preprocess_cfg)),
         tokenizer=build_tokenizer(int(model_cfg["text_cfg"].get("context_length", 77))),
@@ -388,5 +349,6 @@ __all__ = [
     "image_processor_kwargs",
     "require_transformers",
     "save_transformers",
+    "target",
     "unmappable",
 ]

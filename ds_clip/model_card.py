@@ -83,8 +83,10 @@ def card_text(
     command: str,
     logit_scale: float | None = None,
     logit_bias: float | None = None,
+    hf_class: str = "CLIPModel",
 ) -> str:
-    """The README.md of an export of ``checkpoint`` in format ``fmt`` ("open_clip" | "transformers")."""
+    """The README.md of an export of ``checkpoint`` in format ``fmt`` ("open_clip" | "transformers"; ``hf_class``:
+    the transformers class, "CLIPModel" or "SiglipModel")."""
     s = meta.get("settings") or {}
     run = run_folder(checkpoint)
     step = int(meta["step"])
@@ -121,7 +123,13 @@ def card_text(
     if logit_scale is not None:
         lines.append(f"| logit scale | exp(logit_scale) = {_fmt(2.718281828459045**logit_scale)} |")
     if logit_bias is not None:
-        kept = " (config.json `logit_bias`; CLIPModel's logits leave it out)" if fmt == "transformers" else ""
+        kept = ""
+        if fmt == "transformers":
+            kept = (
+                " (SiglipModel's `logit_bias`, in its logits)"
+                if hf_class == "SiglipModel"
+                else " (config.json `logit_bias`; CLIPModel's logits leave it out)"
+            )
         lines.append(f"| logit bias | {_fmt(logit_bias)}{kept} |")
     w, k, m = meta.get("world_size"), meta.get("accum_freq"), meta.get("micro_batch_size")
     lines += [
@@ -153,7 +161,7 @@ def card_text(
         lines.append("(not recorded: the run folder has no command.txt)")
     lines += ["", "Exported with:", "", "```bash", command, "```"]
     lines += ["", "## Results", "", *_results(run, step)]
-    lines += ["", "## Use", "", *_usage(fmt)]
+    lines += ["", "## Use", "", *_usage(fmt, hf_class)]
     lines += [
         "",
         "## Licence",
@@ -197,7 +205,21 @@ def _results(run: Path | None, step: int) -> list[str]:
     return out
 
 
-def _usage(fmt: str) -> list[str]:
+def _usage(fmt: str, hf_class: str) -> list[str]:
+    if fmt == "transformers" and hf_class == "SiglipModel":
+        return [
+            "```python",
+            "import torch",
+            "from transformers import AutoModel, AutoProcessor",
+            'model = AutoModel.from_pretrained("YOUR_ORG/YOUR_MODEL")        # SiglipModel',
+            'processor = AutoProcessor.from_pretrained("YOUR_ORG/YOUR_MODEL")',
+            "# padding='max_length', as the model was trained: its text tower pools the last position",
+            'inputs = processor(text=["a photo of a cat"], images=image, return_tensors="pt", padding="max_length")',
+            "probs = torch.sigmoid(model(**inputs).logits_per_image)  # SigLIP's pair probabilities",
+            "```",
+            "",
+            "Each tower alone: `SiglipVisionModel` / `SiglipTextModel` (their `pooler_output`).",
+        ]
     if fmt == "transformers":
         return [
             "```python",

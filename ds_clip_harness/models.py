@@ -46,6 +46,71 @@ E2E_MODEL = {
 # The tiny CoCa of the trainer and launcher runs (the tokenizer's full vocabulary, as E2E_MODEL).
 COCA_E2E_MODEL = coca_config(E2E_MODEL["vision_cfg"], E2E_MODEL["text_cfg"])
 
+# The SigLIP architecture of open_clip's published SigLIP configs (ViT-B-16-SigLIP.json and kin), for the
+# transformers SiglipModel export: open_clip's TimmModel passes no depth or width to timm, so the image tower is
+# a published one, the smallest (timm's vit_base_patch32_siglip_256: 64 patches, tanh GELU, MAP pooling); the
+# text tower is tiny, bidirectional, pooled at its last position, with the word-level tokenizer
+# write_siglip_dir saves into the model's folder (open_clip reads a local-dir: model's tokenizer from there).
+SIGLIP_WORDS = (
+    "a an the of on in with next to them photo red green blue yellow white grey black purple orange small large center "
+    "circle square triangle diamond star cross centre top bottom left right background wow 2"
+).split()
+SIGLIP_E2E_MODEL = {
+    "embed_dim": 768,
+    "init_logit_bias": -10,
+    "custom_text": True,
+    "vision_cfg": {
+        "image_size": 256,
+        "timm_model_name": "vit_base_patch32_siglip_256",
+        "timm_model_pretrained": False,
+        "timm_pool": "map",
+        "timm_proj": "none",
+    },
+    "text_cfg": {
+        "context_length": 16,
+        "vocab_size": len(SIGLIP_WORDS) + 3,
+        "hf_tokenizer_name": "",  # write_siglip_dir names the folder
+        "tokenizer_kwargs": {"clean": "canonicalize"},
+        "width": 64,
+        "heads": 2,
+        "layers": 1,
+        "no_causal_mask": True,
+        "proj_bias": True,
+        "pool_type": "last",
+        "norm_kwargs": {"eps": 1e-6},
+        "act_kwargs": {"approximate": "tanh"},
+    },
+}
+SIGLIP_PREPROCESS = {
+    "size": [256, 256],
+    "mean": [0.5, 0.5, 0.5],
+    "std": [0.5, 0.5, 0.5],
+    "interpolation": "bicubic",
+    "resize_mode": "squash",
+}
+
+
+def write_siglip_dir(folder: Path) -> str:
+    """FOLDER with SIGLIP_E2E_MODEL's open_clip_config.json (its hf_tokenizer_name: FOLDER) and a word-level
+    Hugging Face tokenizer (pad 0, end-of-text 1 appended to every caption, unknown 2; as SigLIP's, the
+    end-of-text is not the last position unless the caption fills the context); 'local-dir:FOLDER'."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "</s>", "<unk>", *SIGLIP_WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    folder.mkdir(parents=True, exist_ok=True)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(str(folder))
+    text_cfg = {**SIGLIP_E2E_MODEL["text_cfg"], "hf_tokenizer_name": str(folder)}
+    config = {"model_cfg": {**SIGLIP_E2E_MODEL, "text_cfg": text_cfg}, "preprocess_cfg": SIGLIP_PREPROCESS}
+    (folder / "open_clip_config.json").write_text(json.dumps(config))
+    return f"local-dir:{folder}"
+
+
 TEXT = {"context_length": 8, "vocab_size": 64, "width": 32, "heads": 2, "layers": 1}
 
 # A --distill-model teacher for E2E_MODEL students (the same image size and tokenizer, wider, its own

@@ -1,6 +1,7 @@
 """ds-clip-export's two formats end to end: runs trained by the real CLI (a CLIP under the deepspeed launcher on 2
-ranks, a SigLIP-trained CLIP and a CoCa as single processes), exported as open_clip and as transformers folders,
-loaded by open_clip and by transformers (offline), and compared: features, token ids, preprocessing, model cards.
+ranks, a SigLIP-trained CLIP, a SigLIP-architecture model and a CoCa as single processes), exported as open_clip and
+as transformers folders (CLIPModel, SiglipModel), loaded by open_clip and by transformers (offline), and compared:
+features, token ids, preprocessing, model cards.
 """
 
 from __future__ import annotations
@@ -12,11 +13,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from ds_clip.distributed import _free_port
 from ds_clip.export import main as export_main
 from ds_clip.hf_export import unmappable
-from ds_clip_harness.models import COCA_E2E_MODEL, CONFIGS, E2E_MODEL
+from ds_clip_harness.models import (
+    COCA_E2E_MODEL,
+    CONFIGS,
+    E2E_MODEL,
+    SIGLIP_E2E_MODEL,
+    SIGLIP_PREPROCESS,
+    write_siglip_dir,
+)
 from tests.test_e2e import _run
 
 transformers = pytest.importorskip("transformers")
@@ -39,8 +48,10 @@ def _train(cmd: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """Three trained runs: 'clip' (ds-clip-tiny, deepspeed launcher, 2 ranks, validation and zero-shot at the end),
-    'siglip' (ds-clip-tiny-siglip with --siglip, ds-clip-train, k = 2) and 'coca' (a tiny CoCa, one step)."""
+    """Four trained runs: 'clip' (ds-clip-tiny, deepspeed launcher, 2 ranks, validation and zero-shot at the end),
+    'siglip' (ds-clip-tiny-siglip with --siglip, ds-clip-train, k = 2), 'siglip_vit' (the SigLIP architecture of
+    open_clip's SigLIP configs: a timm vit_*_siglip_* tower, its Hugging Face tokenizer in the model's folder, with
+    --siglip) and 'coca' (a tiny CoCa, one step)."""
     root = tmp_path_factory.mktemp("hf_runs")
     classes = root / "classes.json"
     classes.write_text(json.dumps({"classnames": ["circle", "square", "triangle", "diamond"]}))
@@ -57,7 +68,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     ])  # fmt: skip
     _train(["ds-clip-train", "--model", "ds-clip-tiny-siglip", "--siglip", "--accum-freq", "2", "--name", "siglip", *logs, *TRAIN])  # fmt: skip
     _train(["ds-clip-train", "--model", f"local-dir:{coca}", "--name", "coca", *logs, *TRAIN[:2], "--max-steps", "1", "--workers", "1"])  # fmt: skip
-    return {name: root / "logs" / name for name in ("clip", "siglip", "coca")}
+    siglip_vit = write_siglip_dir(root / "siglip_model")
+    _train(["ds-clip-train", "--model", siglip_vit, "--siglip", "--name", "siglip_vit", *logs, *TRAIN])  # fmt: skip
+    return {name: root / "logs" / name for name in ("clip", "siglip", "siglip_vit", "coca")}
 
 
 def _export(capsys, run: Path, out: Path, *extra: str) -> tuple[int, str, str]:
@@ -76,6 +89,24 @@ def _images() -> list:
         Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
         for h, w in ((64, 64), (80, 96), (72, 50), (200, 120))
     ]
+
+
+def _processed_pixels(hf_dir: Path, preprocess, std: list[float], levels: int = 1) -> torch.Tensor:
+    """The export's image processor gives open_clip's eval transform's pixels on _images(): the PIL one (transformers
+    4.x's default) resizes as torchvision does on PIL images, the same pixels; the torch one (5.x's default,
+    use_fast=True) resizes with torch, a few pixels within ``levels`` 8-bit levels. Returns the PIL one's pixels."""
+    from transformers import AutoProcessor
+
+    images = _images()
+    expected = torch.stack([preprocess(im) for im in images])
+    pil = AutoProcessor.from_pretrained(hf_dir, use_fast=False, local_files_only=True).image_processor
+    pixels = pil(images=images, return_tensors="pt")["pixel_values"]
+    _close(pixels, expected, 1e-5)
+    fast = AutoProcessor.from_pretrained(hf_dir, use_fast=True, local_files_only=True).image_processor
+    _close(
+        fast(images=images, return_tensors="pt")["pixel_values"], expected, (levels + 0.01) / 255 / min(std)
+    )
+    return pixels
 
 
 def _features(out) -> torch.Tensor:
@@ -144,15 +175,7 @@ def test_transformers_export_equals_open_clip(runs, tmp_path, capsys, name):
     assert ip.size == {"shortest_edge": side} and ip.crop_size == {"height": side, "width": side}
     assert ip.do_center_crop and ip.resample == 3 and cfg["interpolation"] == "bicubic"
     assert np.allclose(ip.image_mean, cfg["mean"]) and np.allclose(ip.image_std, cfg["std"])
-    images = _images()
-    expected = torch.stack([preprocess(im) for im in images])
-    # The PIL image processor (transformers 4.x's default) resizes as torchvision does on PIL images: the same
-    # pixels. The torch one (5.x's default, use_fast=True) rounds a few pixels to the next 8-bit level.
-    pil = AutoProcessor.from_pretrained(hf_dir, use_fast=False, **load).image_processor
-    pixels = pil(images=images, return_tensors="pt")["pixel_values"]
-    _close(pixels, expected, 1e-5)
-    fast = AutoProcessor.from_pretrained(hf_dir, use_fast=True, **load).image_processor
-    _close(fast(images=images, return_tensors="pt")["pixel_values"], expected, 1.01 / 255 / min(cfg["std"]))
+    pixels = _processed_pixels(hf_dir, preprocess, cfg["std"])
 
     pixels = torch.cat([pixels, torch.randn(2, 3, side, side)])
     inputs = processor(text=CAPTIONS, padding=True, truncation=True, return_tensors="pt")
@@ -204,6 +227,93 @@ def test_transformers_export_equals_open_clip(runs, tmp_path, capsys, name):
 
 @pytest.mark.e2e
 @pytest.mark.slow
+def test_siglip_architecture_exports_as_siglip_model(runs, tmp_path, capsys):
+    """A SigLIP-architecture run (timm vit_*_siglip_* tower with MAP pooling, bidirectional text tower pooled at its
+    last position, a Hugging Face tokenizer with open_clip's canonicalize cleaning), trained with --siglip and
+    exported with --format transformers, loads offline as SiglipModel (AutoModel), SiglipVisionModel,
+    SiglipTextModel, AutoTokenizer and AutoProcessor (SiglipProcessor), and equals the open_clip export loaded by
+    open_clip: image and text features (<= 1e-4, fp32; captions of five lengths, punctuation, case and "_" cleaned,
+    one truncated), logits with the learnt bias and the sigmoid pair probabilities, token ids position by position
+    (no attention mask returned), and the processor's squash resize and normalisation (settings and pixels). The
+    mapping uses every open_clip tensor: one more is refused by name. The model card names SiglipModel."""
+    import open_clip
+    from transformers import (
+        AutoModel,
+        AutoProcessor,
+        AutoTokenizer,
+        SiglipModel,
+        SiglipProcessor,
+        SiglipTextModel,
+        SiglipVisionModel,
+    )
+
+    from ds_clip.hf_siglip import siglip_state_dict
+    from ds_clip.hf_towers import UnmappableError
+
+    hf_dir, oc_dir = tmp_path / "hf", tmp_path / "oc"
+    for folder, fmt in ((hf_dir, "transformers"), (oc_dir, "open_clip")):
+        rc, out, err = _export(capsys, runs["siglip_vit"], folder, "--format", fmt)
+        assert rc == 0, err
+    oc_model, _, preprocess = open_clip.create_model_and_transforms(f"local-dir:{oc_dir}")
+    oc_model.eval()
+    tokenizer = open_clip.get_tokenizer(f"local-dir:{oc_dir}")
+    load = {"local_files_only": True}
+    model = AutoModel.from_pretrained(hf_dir, **load).eval()
+    assert type(model) is SiglipModel and model.config.architectures == ["SiglipModel"]
+    processor = AutoProcessor.from_pretrained(hf_dir, **load)
+    assert type(processor) is SiglipProcessor
+    hf_tok = AutoTokenizer.from_pretrained(hf_dir, **load)
+
+    # Token ids: open_clip's HFTokenizer (cleaned, padded to the context length, end-of-text 1 kept last when cut).
+    captions = [*CAPTIONS, "a_small  STAR... in the top_left"]
+    ids = tokenizer(captions)
+    got = hf_tok(captions, padding="max_length", truncation=True, return_tensors="pt")
+    assert list(got) == ["input_ids"] and torch.equal(got["input_ids"], ids), (got["input_ids"], ids)
+    assert ids.shape[1] == oc_model.context_length and ids[3, -1].item() == 1  # the long caption was cut
+    assert (ids == 2).sum() == 0  # every word known: the cleaning (punctuation, case, "_") happened in both
+
+    # Preprocessing: squash to the tower's square size, bicubic, the model's mean and std; the same pixels.
+    cfg = json.loads((oc_dir / "open_clip_config.json").read_text())["preprocess_cfg"]
+    assert {k: cfg[k] for k in SIGLIP_PREPROCESS} == SIGLIP_PREPROCESS
+    ip = processor.image_processor
+    assert ip.size == {"height": 256, "width": 256} and ip.resample == 3 and ip.do_resize
+    assert not getattr(ip, "do_center_crop", False)
+    assert np.allclose(ip.image_mean, cfg["mean"]) and np.allclose(ip.image_std, cfg["std"])
+    pixels = _processed_pixels(hf_dir, preprocess, cfg["std"], levels=2)  # upsampled to 256: torch's bicubic
+    pixels = torch.cat([pixels, torch.randn(2, 3, 256, 256)])
+    inputs = processor(text=captions, padding="max_length", truncation=True, return_tensors="pt")
+    with torch.no_grad():
+        img, txt = oc_model.encode_image(pixels), oc_model.encode_text(ids)
+        _close(_features(model.get_image_features(pixel_values=pixels)), img)
+        _close(_features(model.get_text_features(**inputs)), txt)
+        out = model(pixel_values=pixels, **inputs)
+        logits = oc_model.logit_scale.exp() * F.normalize(img, dim=-1) @ F.normalize(txt, dim=-1).T
+        logits = logits + oc_model.logit_bias
+        _close(out.logits_per_image, logits)
+        _close(torch.sigmoid(out.logits_per_image), torch.sigmoid(logits))
+        direct = SiglipModel.from_pretrained(hf_dir, **load).eval()
+        _close(direct(pixel_values=pixels, **inputs).logits_per_image, logits)
+        vision = SiglipVisionModel.from_pretrained(hf_dir, **load).eval()
+        _close(vision(pixel_values=pixels).pooler_output, img)
+        text = SiglipTextModel.from_pretrained(hf_dir, **load).eval()
+        _close(text(**inputs).pooler_output, txt)
+    assert model.logit_bias.item() == pytest.approx(oc_model.logit_bias.item(), abs=1e-6)
+    assert model.logit_scale.item() == pytest.approx(oc_model.logit_scale.item(), abs=1e-6)
+
+    state = dict(oc_model.state_dict())
+    state["visual.trunk.blocks.0.ls1.gamma"] = torch.ones(768)
+    with pytest.raises(
+        UnmappableError, match=r"visual\.trunk\.blocks\.0\.ls1\.gamma cannot be mapped .* SiglipModel"
+    ):
+        siglip_state_dict(state)
+    card = (hf_dir / "README.md").read_text()
+    assert (
+        "# SiglipModel" in card and "SiglipModel's `logit_bias`" in card and "SigLIP (sigmoid loss)" in card
+    )
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_unmappable_model_and_missing_transformers_are_refused_before_writing(
     runs, tmp_path, capsys, monkeypatch
 ):
@@ -225,6 +335,16 @@ def test_unmappable_model_and_missing_transformers_are_refused_before_writing(
     rc, _, err = _export(capsys, runs["clip"], out, "--format", "transformers")
     assert rc == 2 and err.strip().count("\n") == 0 and "pip install 'ds_clip[hf]'" in err, err
     assert not out.exists()
+
+
+def _siglip(vision: dict | None = None, text: dict | None = None, **top) -> dict:
+    """SIGLIP_E2E_MODEL with some of its settings changed."""
+    return {
+        **SIGLIP_E2E_MODEL,
+        **top,
+        "vision_cfg": {**SIGLIP_E2E_MODEL["vision_cfg"], **(vision or {})},
+        "text_cfg": {**SIGLIP_E2E_MODEL["text_cfg"], "hf_tokenizer_name": "tok", **(text or {})},
+    }
 
 
 @pytest.mark.parametrize(
@@ -256,11 +376,33 @@ def test_unmappable_model_and_missing_transformers_are_refused_before_writing(
         (CONFIGS["vit"], {}, "text_cfg.vocab_size 64"),
         (E2E_MODEL, {"resize_mode": "squash"}, None),
         ({**E2E_MODEL, "quick_gelu": True, "custom_text": True}, {}, None),
+        # The SigLIP architecture (SiglipModel): open_clip's published configs map; what SiglipModel lacks is named.
+        (_siglip(), SIGLIP_PREPROCESS, None),
+        ("ViT-B-16-SigLIP", {**SIGLIP_PREPROCESS, "size": 224}, None),
+        ("ViT-SO400M-14-SigLIP2", {}, "resize_mode 'shortest'"),
+        (_siglip(vision={"timm_model_name": "vit_base_patch16_siglip_gap_224", "timm_pool": "avg"}), {}, "timm_pool 'avg'"),
+        (_siglip(vision={"timm_model_name": "vit_small_patch16_224"}), {}, "'vit_small_patch16_224' (vision_cfg.timm_model_name: its class or register tokens)"),
+        (_siglip(vision={"timm_model_name": "eva02_tiny_patch14_224"}), {}, "'eva02_tiny_patch14_224' (vision_cfg.timm_model_name; SiglipModel holds"),
+        (_siglip(vision={"timm_proj": "linear"}), {}, "timm_proj='linear'"),
+        (_siglip(embed_dim=512), {}, "embed_dim 512"),
+        (_siglip(text={"no_causal_mask": False}), {}, "causal mask"),
+        (_siglip(text={"pool_type": "argmax"}), {}, "pool_type='argmax'"),
+        (_siglip(text={"proj_bias": False}), {}, "proj_bias"),
+        (_siglip(text={"hf_tokenizer_name": None}), {}, "open_clip's CLIP tokenizer"),
+        (_siglip(text={"tokenizer_kwargs": {"clean": "canonicalize", "strip_sep_token": True}}), {}, "strip_sep_token"),
+        (_siglip(text={"ls_init_value": 0.1}), {}, "layer scale (text_cfg.ls_init_value)"),
+        (_siglip(init_logit_bias=None), SIGLIP_PREPROCESS, "without logit_bias"),
+        (_siglip(), {**SIGLIP_PREPROCESS, "size": 224}, "preprocess_cfg size 224"),
     ],
-)
+)  # fmt: skip
 def test_what_transformers_cannot_represent_is_named(model_cfg, preprocess_cfg, needle):
-    """Each open_clip feature transformers' CLIPModel lacks is named (the export's one-line refusal); CLIP's own
-    variants (QuickGELU, a CustomTextCLIP text tower, squash resizing) map."""
+    """Each open_clip feature transformers' CLIPModel or SiglipModel lacks is named (the export's one-line refusal);
+    CLIP's own variants (QuickGELU, a CustomTextCLIP text tower, squash resizing) map to CLIPModel, open_clip's
+    published SigLIP configs (a name: open_clip's own config) and the test's tiny one to SiglipModel."""
+    import open_clip
+
+    if isinstance(model_cfg, str):
+        model_cfg = open_clip.get_model_config(model_cfg)
     problem = unmappable(model_cfg, preprocess_cfg)
     assert (problem is None) if needle is None else (needle in (problem or "")), problem
 
