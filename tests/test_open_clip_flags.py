@@ -18,8 +18,8 @@ import pytest
 
 from ds_clip import train
 from ds_clip.config import ANSWERED, TrainSettings, build_parser, flags, parse_settings
+from ds_clip.config.resolve import resolve_deepspeed_for, resolve_ds_config
 from ds_clip.distributed import _free_port
-from ds_clip.ds_config import resolve_deepspeed, resolve_ds_config
 from ds_clip.presets import PRECISION_MAP, SettingsError
 from tests.test_config import _doc_generator  # scripts/gen_configuration_doc.py also reads open_clip's parser
 
@@ -185,7 +185,9 @@ def test_what_deepspeed_cannot_build_on_the_cpu_is_refused():
     have no CPU kernel; Lion under offload runs DeepSpeed's CPU Lion. On CUDA all build."""
 
     def why(*argv, accelerator="cpu"):
-        return resolve_deepspeed(parse_settings(list(argv)), None, accelerator=accelerator).optimizer_blocker
+        return resolve_deepspeed_for(
+            parse_settings(list(argv)), None, accelerator=accelerator
+        ).optimizer_blocker
 
     assert "FusedLamb" in why("--opt", "lamb")
     assert "zero2_offload_fp32" in why("--opt", "lion")
@@ -444,7 +446,7 @@ def test_use_bn_sync_converts_batchnorm_and_is_refused_on_the_cpu(tmp_path, caps
     on GPUs it is not refused (the GPU run itself is not checked here: no GPU on the CI machines)."""
     import torch
 
-    from ds_clip.ds_config import resolve_deepspeed as resolve
+    from ds_clip.config import resolve_deepspeed_for as resolve
     from ds_clip.engine import build_model_bundle
     from ds_clip_harness.models import write_model_dirs
 
