@@ -474,5 +474,5 @@ def _checkpoint_meta(m: ModelSettings, precision: str, bundle: ModelBundle) -> d
 def train(s: TrainSettings) -> TrainSummary:
     """Build a run from ``s`` and train it (what ``ds-clip-train`` does)."""
     trainer = Trainer(s)
-    faults.install(trainer)  # the before_step hook, only when DS_CLIP_INJECT_FAULT is set
+    faults.install(trainer)  # the fault hooks (step, evaluation, save), only when DS_CLIP_INJECT_FAULT is set
     return trainer.train()
