@@ -582,6 +582,7 @@ def test_every_field_is_one_flag_with_a_docstring_and_help():
 def test_eval_parser_reuses_the_training_fields():
     """ds-clip-eval's shared flags come from the same fields (same option, help, type), defaults aside."""
     from ds_clip import evaluate
+    from ds_clip.evaluate.settings import EVAL_BATCH_SIZE
 
     train = {a.dest: a for a in build_parser()._actions}
     evals = {a.dest: a for a in evaluate.build_parser()._actions}
@@ -589,7 +590,7 @@ def test_eval_parser_reuses_the_training_fields():
         assert evals[name].option_strings == train[name].option_strings, name
         assert evals[name].type == train[name].type or evals[name].type.__name__ == train[name].type.__name__
     # --val-data is optional there: class folders alone (--zeroshot-folder, --imagenet-val) are an evaluation too.
-    assert evals["batch_size"].default == evaluate.EVAL_BATCH_SIZE and not evals["val_data"].required
+    assert evals["batch_size"].default == EVAL_BATCH_SIZE and not evals["val_data"].required
     docs = {f.name: f.doc.replace("%", "%%") for f in flags()}
     assert all(
         evals[n].help.startswith(docs[n]) and train[n].help.startswith(docs[n]) for n in evaluate.SHARED_FLAGS

@@ -275,7 +275,7 @@ def test_imagenet_zeroshot_matches_open_clip_train(tmp_path):
     import open_clip
     import torch
 
-    from ds_clip import evaluate
+    from ds_clip.evaluate.zeroshot import imagenet_zeroshot
     from ds_clip.model import build_model
     from ds_clip_harness.models import E2E_MODEL
 
@@ -312,7 +312,7 @@ def test_imagenet_zeroshot_matches_open_clip_train(tmp_path):
     def forward(image=None, text=None):
         return model(image=image, text=text)
 
-    ours = evaluate.imagenet_zeroshot(
+    ours = imagenet_zeroshot(
         forward, {"--imagenet-val": str(tmp_path / "val")}, preprocess=b.preprocess_val, tokenizer=b.tokenizer,
         batch_size=3, device="cpu",
     )  # fmt: skip
@@ -426,7 +426,8 @@ def test_skip_scheduler_is_the_peak_from_the_first_step():
 
 def test_resume_refuses_another_optimizer():
     """A checkpoint's optimizer state belongs to its --opt (and --momentum): a resume with another is exit 2."""
-    from ds_clip.checkpoint import ResumeSettingsError, check_resume_settings
+    from ds_clip.checkpoint import ResumeSettingsError
+    from ds_clip.checkpoint.load import check_resume_settings
     from ds_clip.config import settings_to_dict
 
     saved = settings_to_dict(parse_settings(["--opt", "sgd", "--momentum", "0.9"]))
