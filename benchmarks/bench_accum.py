@@ -405,7 +405,7 @@ def engine_preset(
     from ds_clip.ds_config import default_preset, load_preset
 
     flags = ["--precision", precision, "--coalesce-grad-reduction", coalesce]
-    name, _ = default_preset(parse_settings(flags), world_size)
+    name, _ = default_preset(parse_settings(flags).deepspeed_request(), world_size)
     return int(load_preset(name)["zero_optimization"]["stage"]), f"{name} (default)"
 
 

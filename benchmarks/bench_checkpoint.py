@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     import xxhash
 
     from ds_clip import checkpoint
+    from ds_clip.checkpoint.load import install_safe_loading
     from ds_clip.config import parse_settings
     from ds_clip.engine import build_engine, build_model_bundle, resolve_run
     from ds_clip.step import cached_step
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = RunSpec(model=args.model, micro_batch_size=2, accum_freq=1, steps=1)
     batches, _ = step_micro_batches(spec, bundle.model_cfg, 0, 0, 1)  # one step: Adam's moments exist
     cached_step(engine, batches, built.loss_fn)
-    checkpoint.install_safe_loading(engine)
+    install_safe_loading(engine)
     params = sum(p.numel() for p in engine.module.parameters())
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench_ckpt_"))

@@ -1,13 +1,15 @@
-"""DeepSpeed JSON: a preset (ds_clip.presets, engine settings only) + TrainSettings -> resolved config.
+"""DeepSpeed JSON: a preset (ds_clip.presets, engine settings only) + the run's flags -> resolved config.
 
-    ds = resolve_deepspeed(settings, world_size=4, accelerator="cuda")   # once, at start
+    ds = resolve_deepspeed(settings.deepspeed_request(), geometry, accelerator="cuda")   # once, at start
     ds.config, ds.preset, ds.default_reason, ds.coalesce_fallback        # what the engine and the logs read
     ds.refuse_blocked()                                                  # SettingsError if it cannot run here
 
 The preset owns the engine: ZeRO stage and buckets, offload, communication. ds_clip owns everything
 that decides what a step computes: batch sizes, accumulation, optimizer, learning rate, precision,
 clipping. A preset key that disagrees with a flag is an error naming both; a key that repeats the flag's
-value is fine. No deepspeed import here: presets are checked before any process group starts.
+value is fine. No deepspeed import here: presets are checked before any process group starts. Nor any
+import of ds_clip.config (which imports this module to check the preset): the resolution takes the flags it
+reads (``DeepSpeedRequest``) and the batch geometry (``ds_clip.geometry.BatchGeometry``), not the settings tree.
 
 Each rule is one function of ds_clip.ds_rules (batch keys, ZeRO stage and offload, precision, clipping,
 optimizer, coalescing, the step's keys). ``resolve_deepspeed`` applies them to a preset and the flags;
@@ -20,12 +22,13 @@ import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ds_clip.ds_rules import (
     COALESCE_ENGINE_KEYS,
     STEP_ENGINE_KEYS,
     USER_SOURCE,
+    DeepSpeedRequest,
     Settle,
     batch_keys,
     check_no_accumulation,
@@ -51,12 +54,8 @@ from ds_clip.ds_rules import (
     trainer_source,
     zero_stage,
 )
-from ds_clip.geometry import BatchGeometry, GeometryError
+from ds_clip.geometry import BatchGeometry
 from ds_clip.presets import PRESET_DIR, SettingsError, is_auto, list_presets, load_preset, preset_label
-
-if TYPE_CHECKING:  # duck-typed: ds_clip.config imports this module to check the preset
-    from ds_clip.config import TrainSettings
-
 
 # ---------------------------------------------------------------------------------- what runs where
 
@@ -170,7 +169,7 @@ def precision_blocker(precision: str, accelerator: str, asked: str | None = None
 ZERO0_FP32_MAX_RANKS = 4
 
 
-def default_preset(s: TrainSettings, world_size: int | None) -> tuple[str, str]:
+def default_preset(s: DeepSpeedRequest, world_size: int | None) -> tuple[str, str]:
     """The preset ds-clip-train runs without --ds-config, and why (one log line): where the default is decided.
 
     ZeRO-1 (``zero1_<precision>``) partitions the optimizer state over the W ranks. One process has nothing to
@@ -182,8 +181,8 @@ def default_preset(s: TrainSettings, world_size: int | None) -> tuple[str, str]:
     ``world_size`` None (validation, before the process group): the multi-rank default, whose checks cover
     ZeRO-0's.
     """
-    p = s.dist.precision
-    explicit = s.dist.zero_stage is not None or s.dist.coalesce_grad_reduction == "on"
+    p = s.precision
+    explicit = s.zero_stage is not None or s.coalesce_grad_reduction == "on"
     if world_size is None or (
         world_size > 1 and (explicit or p != "fp32" or world_size > ZERO0_FP32_MAX_RANKS)
     ):
@@ -198,9 +197,9 @@ def default_preset(s: TrainSettings, world_size: int | None) -> tuple[str, str]:
             "parameter once more per step; every rank holds the whole optimizer state, as DDP does "
             "(--zero-stage N or --ds-config NAME to choose)"
         )
-    if s.dist.zero_stage is not None:
-        return f"zero1_{p}", f"one process, --zero-stage {s.dist.zero_stage} on this preset's ZeRO settings"
-    if s.dist.coalesce_grad_reduction == "on":
+    if s.zero_stage is not None:
+        return f"zero1_{p}", f"one process, --zero-stage {s.zero_stage} on this preset's ZeRO settings"
+    if s.coalesce_grad_reduction == "on":
         return f"zero1_{p}", "one process, but --coalesce-grad-reduction on needs ZeRO 1-3"
     if p == "fp16":
         return (
@@ -269,74 +268,25 @@ class ResolvedDeepSpeed:
                 raise SettingsError(why_not)
 
 
-def resolve_geometry(s: TrainSettings, world_size: int) -> BatchGeometry:
-    """W, k, m of a run of ``s`` on ``world_size`` ranks: --accum-freq k, or k = N / (W*m) from
-    --global-batch-size N, or (a JSON's train_batch_size without train_micro_batch_size_per_gpu) m = N / (k*W), as
-    DeepSpeed derives it. SettingsError (exit 2, before any engine) when they do not divide: the message names the
-    flags, or the JSON's keys, and the numbers."""
-    o = s.optim
-    sources = s.sources or {}
-    m = o.batch_size
-    try:
-        if sources.get("batch_size") == "derived":
-            k, n = o.accum_freq or 1, o.global_batch_size or 0
-            if n % (k * world_size):
-                raise GeometryError(
-                    f"m = N / (k x W) is no whole number: {k} x {world_size} = {k * world_size}"
-                )
-            m = n // (k * world_size)
-        return BatchGeometry.derive(world_size, m, accum_freq=o.accum_freq, global_batch=o.global_batch_size)
-    except GeometryError as exc:
-        if "ds_json" not in {sources.get(f) for f in ("batch_size", "accum_freq", "global_batch_size")} and (
-            sources.get("batch_size") != "derived"
-        ):
-            raise SettingsError(str(exc)) from None
-        raise SettingsError(_triple_message(s, world_size, m, str(exc))) from None
-
-
-def _triple_message(s: TrainSettings, world_size: int, m: int, why: str) -> str:
-    """One line for a batch triple (some of it from the JSON) that does not divide on ``world_size`` ranks."""
-    o, sources = s.optim, s.sources or {}
-    label = preset_label(s.dist.ds_config or "")
-    parts = []
-    for key, fld, flag in (("train_batch_size", "global_batch_size", "--global-batch-size"),
-                           ("train_micro_batch_size_per_gpu", "batch_size", "--batch-size"),
-                           ("gradient_accumulation_steps", "accum_freq", "--accum-freq")):  # fmt: skip
-        value = getattr(o, fld)
-        if sources.get(fld) == "ds_json":
-            parts.append(f"{key}={value}")
-        elif sources.get(fld) in ("flag", "recipe") and value is not None:
-            parts.append(f"{flag} {value}")
-    n = o.global_batch_size
-    k = o.accum_freq
-    shown_m = "m" if sources.get("batch_size") == "derived" else m
-    formula = f"N = m x k x W: {n} = {shown_m} x {k or 'k'} x {world_size}" if n else ""
-    return (
-        f"the batch of {label} ({', '.join(parts)}) does not divide on {world_size} "
-        f"rank{'s' if world_size != 1 else ''}: {formula} has no whole solution ({why.split(' (')[0]}); "
-        "launch a world size that divides it or change the keys"
-    )
-
-
 def resolve_deepspeed(
-    s: TrainSettings, world_size: int | None, *, accelerator: str | None = None
+    s: DeepSpeedRequest, geometry: BatchGeometry | None, *, accelerator: str | None = None
 ) -> ResolvedDeepSpeed:
-    """Preset or JSON + settings -> the resolved DeepSpeed side of a run; SettingsError naming the key (and the
-    flag) that cannot run.
+    """Preset or JSON + the run's flags -> the resolved DeepSpeed side of a run; SettingsError naming the key (and
+    the flag) that cannot run.
 
-    ``world_size`` None (validation, before any process group): every rule but the batch keys' world size.
-    With the world size, the JSON has train_batch_size = m * W and gradient_accumulation_steps = 1: every
-    engine step is one micro-batch; ds_clip's step runs the k micro-batches of an optimizer step itself.
-    ``accelerator`` (``ds_clip.distributed.accelerator_name()``): also decide what it cannot run.
+    ``geometry`` None (validation, before any process group): every rule but the batch keys' world size.
+    With the geometry (``ds_clip.config.resolve_geometry``), the JSON has train_batch_size = m * W and
+    gradient_accumulation_steps = 1: every engine step is one micro-batch; ds_clip's step runs the k
+    micro-batches of an optimizer step itself. ``accelerator`` (``ds_clip.distributed.accelerator_name()``):
+    also decide what it cannot run.
     """
-    if world_size is not None and world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    o, dist = s.optim, s.dist
+    world_size = None if geometry is None else geometry.world_size
+    o = s.optim
     default_reason = None
-    if dist.ds_config is None:
+    if s.ds_config is None:
         preset, default_reason = default_preset(s, world_size)
     else:
-        preset = dist.ds_config
+        preset = s.ds_config
     src = trainer_source(preset)
     original = load_preset(preset)
     cfg = copy.deepcopy(original)
@@ -353,10 +303,10 @@ def resolve_deepspeed(
             f"scheduler in {src.label}: ds_clip runs its own LR schedule (--lr-scheduler, --lr, --warmup) for "
             "settings not parsed from a command line; remove the scheduler section"
         )
-    required, blocker = coalescing(cfg, dist.coalesce_grad_reduction, zero, dist.precision, src)
+    required, blocker = coalescing(cfg, s.coalesce_grad_reduction, zero, s.precision, src)
     step_keys(cfg, required, src)
-    if world_size is not None:
-        engine_batch(cfg, resolve_geometry(s, world_size).micro_batch_size, world_size)
+    if geometry is not None:
+        engine_batch(cfg, geometry.micro_batch_size, geometry.world_size)
     quiet_engine(cfg)
     start_keys = start_auto_keys(cfg, src.label)
     blockers: dict[str, str | None] = {}
@@ -374,8 +324,8 @@ def resolve_deepspeed(
             optimizer_blocker=optimizer_blocker(
                 o.optimizer, offloaded=zero.cpu_optimizer, accelerator=accelerator, asked=opt_asked
             ),
-            bn_sync_blocker=bn_sync_blocker(s.model.use_bn_sync, accelerator),
-            precision_blocker=precision_blocker(dist.precision, accelerator, prec_asked),
+            bn_sync_blocker=bn_sync_blocker(s.use_bn_sync, accelerator),
+            precision_blocker=precision_blocker(s.precision, accelerator, prec_asked),
             hardware_blocker=hardware_blocker(cfg, src.label, accelerator),
             deepspeed_blocker=deepspeed_blocker(cfg, src.label),
         )
@@ -383,7 +333,7 @@ def resolve_deepspeed(
         json_text=json.dumps(cfg, indent=2),
         preset=preset,
         default_reason=default_reason,
-        coalesce_fallback=blocker if dist.coalesce_grad_reduction == "auto" else None,
+        coalesce_fallback=blocker if s.coalesce_grad_reduction == "auto" else None,
         world_size=world_size,
         accelerator=accelerator,
         notes=tuple(notes + settle.notes),
@@ -432,7 +382,7 @@ def _lookup(node: Any, path: str) -> Any:
 
 
 def key_sources(
-    original: dict[str, Any], cfg: dict[str, Any], s: TrainSettings, filled: dict[str, str],
+    original: dict[str, Any], cfg: dict[str, Any], s: DeepSpeedRequest, filled: dict[str, str],
     start_keys: dict[str, str],
 ) -> list[tuple[str, str]]:  # fmt: skip
     """Where each effective key of ``cfg`` came from, next to the file the user gave (``original``): "flag --x",
@@ -482,20 +432,12 @@ def format_sources(ds: ResolvedDeepSpeed) -> str:
     return "\n".join(f"{p:<{width}}  {v:<{vwidth}}  {src}" for p, v, src in rows)
 
 
-def check_preset(s: TrainSettings) -> None:
+def check_preset(s: DeepSpeedRequest) -> None:
     """Raise SettingsError if the preset is missing, unreadable or disagrees with the flags.
 
     Called from config.validate before the world size is known; train_batch_size is checked at start.
     """
-    resolve_deepspeed(s, world_size=None)
-
-
-def resolve_ds_config(s: TrainSettings, world_size: int) -> dict[str, Any]:
-    """The resolved JSON alone (``resolve_deepspeed(s, world_size).config``), for a look at what a launch of
-    ``world_size`` ranks would run."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    return resolve_deepspeed(s, world_size).config
+    resolve_deepspeed(s, None)
 
 
 def step_engine_config(config: dict[str, Any], *, coalesce: bool = False) -> dict[str, Any]:
@@ -555,11 +497,11 @@ __all__ = [
     "PRESET_DIR",  # re-exported from ds_clip.presets, where the preset files are found
     "COALESCE_ENGINE_KEYS",
     "STEP_ENGINE_KEYS",
+    "DeepSpeedRequest",
     "ResolvedDeepSpeed",
     "SettingsError",
     "fill_start_keys",
     "format_sources",
-    "resolve_geometry",
     "bn_sync_blocker",
     "check_preset",
     "default_preset",
@@ -569,7 +511,6 @@ __all__ = [
     "optimizer_blocker",
     "preset_label",
     "resolve_deepspeed",
-    "resolve_ds_config",
     "step_engine_config",
     "write_run_files",
 ]

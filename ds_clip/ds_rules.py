@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ds_clip.presets import (
     ONE_LR_SCHEDULERS,
@@ -24,8 +25,56 @@ from ds_clip.presets import (
     scheduler_block,
 )
 
-if TYPE_CHECKING:  # duck-typed: ds_clip.config imports ds_clip.ds_config to check the preset
-    from ds_clip.config import OptimSettings, TrainSettings
+
+class OptimValues(Protocol):
+    """What the rules read of the optimizer flags (``ds_clip.config.OptimValues`` is one): the batch triple, the
+    optimizer and its hyper-parameters, warmup, clipping and the per-tower LRs."""
+
+    batch_size: int
+    accum_freq: int | None
+    global_batch_size: int | None
+    optimizer: str
+    lr: float
+    wd: float
+    beta1: float
+    beta2: float
+    eps: float
+    momentum: float | None
+    warmup: int
+    grad_clip_norm: float | None
+    visual_lr: float | None
+    text_lr: float | None
+    visual_ld: float
+    text_ld: float
+
+
+@dataclass(frozen=True)
+class DeepSpeedRequest:
+    """What a run asks of its DeepSpeed config, and nothing more of its settings: the optimizer flags, the
+    distributed flags, the two model flags a preset can refuse, and where each value came from
+    (``ds_clip.config.TrainSettings.deepspeed_request`` builds it)."""
+
+    optim: OptimValues
+    """The optimizer section (--batch-size, --accum-freq, --opt, --lr, ...)."""
+    precision: str = "fp32"
+    """--precision."""
+    zero_stage: int | None = None
+    """--zero-stage; None: the preset's."""
+    coalesce_grad_reduction: str = "auto"
+    """--coalesce-grad-reduction."""
+    ds_config: str | None = None
+    """--ds-config (a preset name or a path); None: the default preset."""
+    use_bn_sync: bool = False
+    """--use-bn-sync."""
+    torchcompile: bool = False
+    """--torchcompile."""
+    sources: Mapping[str, str] | None = None
+    """Where each field's value came from (``TrainSettings.sources``); None: settings not parsed from a command
+    line, every field counts as chosen."""
+
+    def chosen(self, name: str) -> bool:
+        """Did the user choose field ``name`` (a flag or a recipe)? As ``TrainSettings.chosen``."""
+        return self.sources is None or self.sources.get(name) in ("flag", "recipe")
 
 
 # Keys the cached accumulation step (ds_clip.step) needs in the engine config. A preset that sets one
@@ -153,8 +202,8 @@ class Settle:
     tell a choice from a default), a conflict naming both."""
 
     label: str
-    s: Any
-    """The TrainSettings (``chosen``, ``sources``)."""
+    s: DeepSpeedRequest
+    """The run's request (``chosen``, ``sources``)."""
     notes: list[str] = field(default_factory=list)
     filled: dict[str, str] = field(default_factory=dict)
     """Key path -> the flag whose value filled its "auto"."""
@@ -181,7 +230,7 @@ def check_no_accumulation(value: Any, src: Source) -> None:
         raise SettingsError(f"gradient_accumulation_steps={js(value)} in {src.label}: {src.accum_hint}")
 
 
-def batch_keys(cfg: dict[str, Any], src: Source, s: TrainSettings, world_size: int | None) -> list[str]:
+def batch_keys(cfg: dict[str, Any], src: Source, s: DeepSpeedRequest, world_size: int | None) -> list[str]:
     """Take the batch keys out of a JSON (they are written back for the geometry at the end, ``engine_batch``)
     and say what they became: parsed settings already hold the file's triple (config.ds_json; the geometry
     checks it against the world size at start), so its k runs as exact cached accumulation. Settings not parsed
@@ -321,9 +370,8 @@ def read_zero(zero: dict[str, Any], label: str) -> ZeroFacts:
     return ZeroFacts(zero.get("stage", 0), offload["offload_optimizer"], offload["offload_param"])
 
 
-def zero_stage(cfg: dict[str, Any], label: str, s: TrainSettings) -> ZeroFacts:
+def zero_stage(cfg: dict[str, Any], label: str, s: DeepSpeedRequest) -> ZeroFacts:
     """--zero-stage over the preset's stage (CLI > preset); what each stage and offload allow."""
-    dist = s.dist
     zero = cfg.setdefault("zero_optimization", {})
     if not isinstance(zero, dict):
         raise SettingsError(f"zero_optimization in {label} must be a JSON object")
@@ -331,15 +379,15 @@ def zero_stage(cfg: dict[str, Any], label: str, s: TrainSettings) -> ZeroFacts:
         # DeepSpeed's legacy spelling of offload_optimizer.device "cpu" (still accepted by 0.19.8's config).
         del zero["cpu_offload"]
         zero["offload_optimizer"] = {"device": "cpu"}
-    if dist.zero_stage is not None:
-        zero["stage"] = dist.zero_stage
+    if s.zero_stage is not None:
+        zero["stage"] = s.zero_stage
     stage = zero.setdefault("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise SettingsError(f"zero_optimization.stage={js(stage)} in {label} must be 0, 1, 2 or 3")
-    if s.model.torchcompile and stage == 3:
+    if s.torchcompile and stage == 3:
         # DeepSpeed 0.19.8's engine.compile traces the model with ZeRO-3's partitioned parameters (its gather
         # hooks do not run inside the traced forward): dynamo fails on the empty shards ("b must be 2D").
-        source = "--zero-stage" if dist.zero_stage is not None else label
+        source = "--zero-stage" if s.zero_stage is not None else label
         raise SettingsError(
             f"--torchcompile does not work with ZeRO stage 3 (from {source}; DeepSpeed 0.19.8 compiles the "
             "model with its partitioned, empty parameters): use --zero-stage 0, 1 or 2, or drop --torchcompile"
@@ -369,7 +417,7 @@ def precision_sections(cfg: dict[str, Any], settle: Settle, stage: Any) -> None:
     become --precision when the flag was left out, config.ds_json). torch_autocast runs as the --precision it
     maps to (its dtype's bf16 or fp16: DeepSpeed's low-precision weights with an fp32 master copy)."""
     label, s = settle.label, settle.s
-    precision = s.dist.precision
+    precision = s.precision
     if "bfloat16" in cfg:  # DeepSpeed's old spelling; it reads it only when "bf16" is absent
         if "bf16" in cfg:
             raise SettingsError(f"{label} has both bf16 and bfloat16 sections: keep bf16")
@@ -390,7 +438,7 @@ def precision_sections(cfg: dict[str, Any], settle: Settle, stage: Any) -> None:
         settle(section, "enabled", wanted, f"{key}.enabled", "--precision", precision)
     if cfg["fp16"]["enabled"]:
         cfg["fp16"].setdefault("loss_scale", 0)  # 0: dynamic loss scaling
-        flagged = ", --zero-stage 0" if s.dist.zero_stage == 0 else ""
+        flagged = ", --zero-stage 0" if s.zero_stage == 0 else ""
         refuse_fp16_on_zero0(
             precision, stage, f"--precision fp16 with ZeRO stage 0 ({label}{flagged})",
             "--precision bf16 or --zero-stage 1, 2 or 3",
@@ -411,7 +459,7 @@ def clipping(cfg: dict[str, Any], settle: Settle, grad_clip_norm: float | None) 
     settle(cfg, "gradient_clipping", clip, "gradient_clipping", "--grad-clip-norm", grad_clip_norm)
 
 
-def optimizer_block(o: OptimSettings) -> tuple[str, dict[str, Any]]:
+def optimizer_block(o: OptimValues) -> tuple[str, dict[str, Any]]:
     """--opt -> DeepSpeed's optimizer "type" and the params it takes from the flags (each optimizer only
     the hyper-parameters its class has; per-group lr and weight_decay come with the parameter groups)."""
     params: dict[str, Any] = {"lr": o.lr, "weight_decay": o.wd}
@@ -452,7 +500,7 @@ _ENGINE_CHOICES = {
 _ENGINE_CHOICES["adam"] = _ENGINE_CHOICES["adamw"]
 
 
-def _json_optimizer_params(block: Any, settle: Settle, o: OptimSettings, params: dict[str, Any]) -> str:
+def _json_optimizer_params(block: Any, settle: Settle, o: OptimValues, params: dict[str, Any]) -> str:
     """A JSON's optimizer block: its hyper-parameters are the flags' values (``settle``), its engine choices pass on
     into ``params``; returns the "type" as the file spells it."""
     label = settle.label
@@ -482,7 +530,7 @@ def _json_optimizer_params(block: Any, settle: Settle, o: OptimSettings, params:
     return str(kind)
 
 
-def optimizer_section(cfg: dict[str, Any], settle: Settle, o: OptimSettings, zero: ZeroFacts) -> None:
+def optimizer_section(cfg: dict[str, Any], settle: Settle, o: OptimValues, zero: ZeroFacts) -> None:
     """The optimizer DeepSpeed builds from the JSON: --opt and its flags, or the file's block with its engine
     choices (the hyper-parameters are the settings', which the file's values became unless a flag was passed)."""
     label = settle.label
@@ -523,7 +571,7 @@ def _adam_kernel(params: dict[str, Any], zero: ZeroFacts, label: str) -> None:
         params.setdefault("fused", True)
 
 
-def scheduler_section(cfg: dict[str, Any], settle: Settle, o: OptimSettings) -> str | None:
+def scheduler_section(cfg: dict[str, Any], settle: Settle, o: OptimValues) -> str | None:
     """A JSON's scheduler block runs as written (DeepSpeed builds it; it steps once per optimizer step), its
     "auto" params filled from --lr and --warmup, total_num_steps ("auto") at start from the run's length
     (``fill_start_keys``). None: no block, ds_clip's --lr-scheduler runs. Returns the block's type."""

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ds_clip.caption import CaptionLoss, caption_loss_for
-from ds_clip.config import LossSettings, ModelSettings, OptimSettings, TrainSettings
+from ds_clip.config import LossSettings, ModelSettings, OptimSettings, TrainSettings, resolve_geometry
 from ds_clip.distributed import accelerator_name
-from ds_clip.ds_config import ResolvedDeepSpeed, fill_start_keys, resolve_deepspeed, resolve_geometry
+from ds_clip.ds_config import ResolvedDeepSpeed, fill_start_keys, resolve_deepspeed
 from ds_clip.geometry import BatchGeometry
 from ds_clip.loss import ContrastiveLoss, LossSpec, resolve_impl
 from ds_clip.model import ModelBundle, Teacher, build_model, prepare_for_deepspeed
@@ -46,7 +46,8 @@ def resolve_run(s: TrainSettings, world_size: int) -> tuple[BatchGeometry, Resol
     """What a run of ``s`` on ``world_size`` ranks of this machine derives once, at start, and hands down: its
     batch geometry (W, k, m) and its DeepSpeed side (the JSON for W, the preset and why, what this machine's
     accelerator cannot run)."""
-    return resolve_geometry(s, world_size), resolve_deepspeed(s, world_size, accelerator=accelerator_name())
+    geometry = resolve_geometry(s, world_size)
+    return geometry, resolve_deepspeed(s.deepspeed_request(), geometry, accelerator=accelerator_name())
 
 
 def build_model_bundle(

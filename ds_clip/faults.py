@@ -12,9 +12,11 @@ step index while nothing is skipped, and it keeps counting through skipped steps
 batch, not every retry of update 2. Several faults are separated by commas. Real faults (a diverging run, a node lost, a preempted
 job, a full disk) are slow and random; these make the same outcomes reproducible in CI.
 
-Off the hot path: ``install(trainer)`` runs once at start and sets the trainer's ``before_step`` hook only when
-the variable is set, so a normal run pays one ``is None`` check per step. A checkpoint save asks
-``maybe_kill("kill-in-save", ...)`` once per save, between the rank files and the completion marker.
+One plan, three hooks, all set once at start by ``install(trainer)`` and only when the variable is set, so a
+normal run pays one ``is None`` check per step, per evaluation read and per save: ``Trainer.before_step``
+("nan", "kill"), ``Evaluator.before_read`` ("eval-error") and ``Checkpointer.save_hook`` ("kill-in-save", at the
+save's "after_shards" point: between the rank files and the completion marker). Only the trainer's start
+(``ds_clip.trainer.train``) imports this module.
 """
 
 from __future__ import annotations
@@ -57,36 +59,30 @@ def _parse(text: str) -> list[Fault]:
     return faults
 
 
-def active(kind: str, step: int, rank: int) -> bool:
-    text = os.environ.get(ENV)
-    return bool(text) and any(f.fires(kind, step, rank) for f in _parse(text))
-
-
 def _kill(kind: str, step: int, rank: int) -> None:
     print(f"[fault injection] rank {rank}: SIGKILL at step {step} ({kind})", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def maybe_kill(kind: str, step: int, rank: int) -> None:
-    if active(kind, step, rank):
-        _kill(kind, step, rank)
-
-
 MicroBatches = list[tuple[torch.Tensor, Any]]
 
 
-class StepFaults:
-    """The trainer's ``before_step`` hook: kills this rank ("kill") or feeds NaN images in its first
-    micro-batch ("nan") at the chosen batches; otherwise hands the micro-batches on untouched."""
+class FaultPlan:
+    """The faults DS_CLIP_INJECT_FAULT asks for, and the hooks that fire them where they reach a run."""
 
     def __init__(self, faults: list[Fault]) -> None:
         self.faults = faults
 
-    def _fires(self, kind: str, attempt: int, rank: int) -> bool:
-        return any(f.fires(kind, attempt, rank) for f in self.faults)
+    def asks(self, kind: str) -> bool:
+        return any(f.kind == kind for f in self.faults)
 
-    def __call__(self, micro_batches: MicroBatches, attempt: int, rank: int) -> MicroBatches:
-        """``attempt``: the 0-based batch this process trains (STEP above)."""
+    def _fires(self, kind: str, step: int, rank: int) -> bool:
+        return any(f.fires(kind, step, rank) for f in self.faults)
+
+    def before_step(self, micro_batches: MicroBatches, attempt: int, rank: int) -> MicroBatches:
+        """The trainer's ``before_step`` hook: kills this rank ("kill") or feeds NaN images in its first
+        micro-batch ("nan") at the chosen batches; otherwise hands the micro-batches on untouched.
+        ``attempt``: the 0-based batch this process trains (STEP above)."""
         if self._fires("kill", attempt, rank):
             _kill("kill", attempt, rank)
         if self._fires("nan", attempt, rank):
@@ -95,26 +91,30 @@ class StepFaults:
             return [(torch.full(images.shape, float("nan"), dtype=dtype), texts), *micro_batches[1:]]
         return micro_batches
 
-
-class EvalFaults:
-    """The evaluator's ``before_read`` hook: raises OSError where rank ``rank`` reads its validation samples
-    in the evaluation at optimizer step ``step`` ("eval-error"); STEP is that optimizer step."""
-
-    def __init__(self, faults: list[Fault]) -> None:
-        self.faults = faults
-
-    def __call__(self, step: int, rank: int) -> None:
-        if any(f.fires("eval-error", step, rank) for f in self.faults):
+    def before_read(self, step: int, rank: int) -> None:
+        """The evaluator's ``before_read`` hook: raises OSError where rank ``rank`` reads its validation samples
+        in the evaluation at optimizer step ``step`` ("eval-error"); STEP is that optimizer step."""
+        if self._fires("eval-error", step, rank):
             print(f"[fault injection] rank {rank}: validation data unreadable at step {step}", flush=True)
             raise OSError(f"[fault injection] validation data unreadable at step {step}")
 
+    def at_save(self, point: str, step: int, rank: int) -> None:
+        """The checkpointer's ``save_hook``: kills this rank at the save of step ``step`` ("kill-in-save"), once
+        its own files are written and before the folder is marked complete ("after_shards")."""
+        if point == "after_shards" and self._fires("kill-in-save", step, rank):
+            _kill("kill-in-save", step, rank)
+
 
 def install(trainer: Any) -> None:
-    """Set ``trainer.before_step`` (and, for an evaluation fault, ``trainer.evaluator.before_read``) when
-    DS_CLIP_INJECT_FAULT is set (a bad value fails here, at start); leave them None otherwise."""
+    """Set the hooks of the trainer and its components that the faults of DS_CLIP_INJECT_FAULT reach (a bad
+    value fails here, at start): ``trainer.before_step`` whenever it is set, ``trainer.evaluator.before_read``
+    for an evaluation fault, ``trainer.checkpointer.save_hook`` for a fault in a save; leave them None
+    otherwise."""
     text = os.environ.get(ENV)
     if text:
-        faults = _parse(text)
-        trainer.before_step = StepFaults(faults)
-        if any(f.kind == "eval-error" for f in faults):
-            trainer.evaluator.before_read = EvalFaults(faults)
+        plan = FaultPlan(_parse(text))
+        trainer.before_step = plan.before_step
+        if plan.asks("eval-error"):
+            trainer.evaluator.before_read = plan.before_read
+        if plan.asks("kill-in-save"):
+            trainer.checkpointer.save_hook = plan.at_save

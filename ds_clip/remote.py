@@ -33,15 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ds_clip.checkpoint import (
-    CHECKSUM,
-    MANIFEST,
-    MARKER,
-    POINTER,
-    TAG_PREFIX,
-    first_mismatch,
-    manifest_files,
-)
+from ds_clip.checkpoint import CHECKSUM, MANIFEST, MARKER, POINTER, TAG_PREFIX
+from ds_clip.checkpoint.manifest import first_mismatch, manifest_files
 from ds_clip.config import CheckpointSettings
 from ds_clip.distributed import broadcast_object, rank
 from ds_clip.errors import RunError, UserError

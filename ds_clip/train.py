@@ -106,8 +106,8 @@ def dry_run(s: TrainSettings) -> None:
     accelerator); the settings and the JSON are printed as the run folder would get them. No process group,
     no model, no files written."""
     from ds_clip.data import build_train_data
-    from ds_clip.distributed import accelerator_name  # (deepspeed's accelerator, not a process group)
-    from ds_clip.ds_config import format_sources, resolve_deepspeed, resolve_geometry
+    from ds_clip.ds_config import format_sources
+    from ds_clip.engine import resolve_run  # the start's resolution (no process group)
     from ds_clip.evaluate import check_train_inputs
     from ds_clip.presets import precision_mapping_text
     from ds_clip.schedule import RunLength, warmup_warning
@@ -115,8 +115,7 @@ def dry_run(s: TrainSettings) -> None:
 
     check_train_inputs(s)  # the evaluation inputs are read as the start would read them
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    geometry = resolve_geometry(s, world_size)
-    ds = resolve_deepspeed(s, world_size, accelerator=accelerator_name())
+    geometry, ds = resolve_run(s, world_size)
     ds.refuse_blocked()
     # The training data too, by the builder the start calls (rank 0's part): its columns, separator, image paths,
     # rows or shards for this geometry; its steps per epoch give the run's length.

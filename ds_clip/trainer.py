@@ -22,6 +22,8 @@ import torch
 
 from ds_clip import checkpoint, distributed, ema, evaluate, faults, remote, weights
 from ds_clip.checkpoint import Checkpointer
+from ds_clip.checkpoint.layout import param_shapes
+from ds_clip.checkpoint.save import check_output_space, check_shared_run_folder, check_writable
 from ds_clip.clamp import clamp_logit_scale
 from ds_clip.config import (
     DEFAULT_SYNTHETIC_SAMPLES,
@@ -122,7 +124,7 @@ class Trainer:
         # Before anything is built: an unusable output folder is a one-line error, not a crash at save time, and
         # so is a bad evaluation input, not a failure after the last step. Each rank reads them on its own host;
         # the ranks agree on what they found, so it reads once per job (distributed.agreed).
-        distributed.agreed(lambda: checkpoint.check_writable(Path(s.logging.logs)))
+        distributed.agreed(lambda: check_writable(Path(s.logging.logs)))
         distributed.agreed(lambda: evaluate.check_train_inputs(s))
         # Resolved once, here, and handed down: the batch geometry and the DeepSpeed side of the run.
         self.geometry, self.ds = geometry, ds = resolve_run(s, info.world_size)
@@ -146,10 +148,8 @@ class Trainer:
         )
         check_tokenizer_fits(bundle.model, bundle.tokenizer, s.model.model)  # the data is tokenized by it
         # The parameter shapes are checked against a checkpoint before DeepSpeed loads it.
-        shapes = checkpoint.param_shapes(bundle.model)
-        checkpoint.check_output_space(
-            run_dir, sum(p.numel() for p in bundle.model.parameters()), s.dist.precision
-        )
+        shapes = param_shapes(bundle.model)
+        check_output_space(run_dir, sum(p.numel() for p in bundle.model.parameters()), s.dist.precision)
         # The training data's checks (columns, separator, image paths, rows or shards for this geometry), agreed
         # on by the ranks as the checks above.
         self.data = distributed.agreed(
@@ -218,7 +218,7 @@ class Trainer:
             with (run_dir / COMMAND_FILE).open("a") as f:
                 f.write(launch_command(sys.argv[1:]) + "\n")
         # Every node sees the folder rank 0 made, or the run stops here (a node-local --logs on several nodes).
-        checkpoint.check_shared_run_folder(run_dir, Path(lg.logs), local_rank=info.local_rank)
+        check_shared_run_folder(run_dir, Path(lg.logs), local_rank=info.local_rank)
         return run_dir
 
     def _log_precision(self) -> None:
@@ -474,5 +474,5 @@ def _checkpoint_meta(m: ModelSettings, precision: str, bundle: ModelBundle) -> d
 def train(s: TrainSettings) -> TrainSummary:
     """Build a run from ``s`` and train it (what ``ds-clip-train`` does)."""
     trainer = Trainer(s)
-    faults.install(trainer)  # the before_step hook, only when DS_CLIP_INJECT_FAULT is set
+    faults.install(trainer)  # the fault hooks (step, evaluation, save), only when DS_CLIP_INJECT_FAULT is set
     return trainer.train()

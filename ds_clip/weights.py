@@ -23,7 +23,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from ds_clip.checkpoint import POINTER, CheckpointError, read_meta, remove_partial, resolve
+from ds_clip.checkpoint import POINTER, CheckpointError, read_meta, resolve
+from ds_clip.checkpoint.save import remove_partial
 from ds_clip.config import ModelSettings
 from ds_clip.distributed import broadcast_object
 from ds_clip.errors import UserError

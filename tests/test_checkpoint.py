@@ -25,6 +25,10 @@ import pytest
 import torch
 
 from ds_clip import checkpoint as ck
+from ds_clip.checkpoint.layout import UNIVERSAL_PREFIX
+from ds_clip.checkpoint.load import check_compatible, check_resume_settings
+from ds_clip.checkpoint.rng import rng_state, set_rng_state
+from ds_clip.checkpoint.save import prune
 from ds_clip.errors import UserError
 from ds_clip_harness.groups import spawn_group
 from ds_clip_harness.models import E2E_MODEL, E2E_TEACHER, write_pretrained_dir
@@ -418,7 +422,7 @@ def test_resume_from_2_ranks_on_4_ranks(runs, zero):
     logs = runs["logs"]
     assert _max_abs_diff(_final(logs, f"res24_z{zero}"), _final(logs, f"full2_z{zero}")) <= CROSS_W_TOL
     assert ck.read_meta(_ckpt(logs, f"res24_z{zero}", STEPS))["world_size"] == 4
-    assert not list((logs / f"res24_z{zero}" / "checkpoints").glob(f"{ck.UNIVERSAL_PREFIX}*"))  # removed
+    assert not list((logs / f"res24_z{zero}" / "checkpoints").glob(f"{UNIVERSAL_PREFIX}*"))  # removed
 
 
 @pytest.mark.distributed
@@ -541,12 +545,12 @@ def test_partial_checkpoint_is_an_error_naming_the_file(runs, tmp_path):
 def test_incompatible_model_or_global_batch_is_a_clear_error(runs):
     meta = ck.read_meta(_ckpt(runs["logs"], "full2_z1", STEPS))
     shapes = dict(meta["param_shapes"])
-    ck.check_compatible(meta, "--resume x", shapes=shapes, global_batch=8, world_size=4)  # fine
+    check_compatible(meta, "--resume x", shapes=shapes, global_batch=8, world_size=4)  # fine
     other = {**shapes, "text_projection": [32, 99]}
     with pytest.raises(ck.CheckpointError, match="incompatible model.*text_projection"):
-        ck.check_compatible(meta, "--resume x", shapes=other, global_batch=8, world_size=2)
+        check_compatible(meta, "--resume x", shapes=other, global_batch=8, world_size=2)
     with pytest.raises(ck.CheckpointError, match="global batch.*--accum-freq 1"):
-        ck.check_compatible(meta, "--resume x", shapes=shapes, global_batch=16, world_size=4)
+        check_compatible(meta, "--resume x", shapes=shapes, global_batch=16, world_size=4)
 
 
 @pytest.mark.distributed
@@ -557,12 +561,10 @@ def test_resume_refuses_optimizer_flags_the_load_would_undo(runs):
     assert issubclass(ck.ResumeSettingsError, UserError)
     assert "--visual-lr 0.001 there, 0.002 here" in runs["engine"]["lr_refusal"]
     saved = ck.read_meta(_ckpt(runs["logs"], "full2_z1", STEPS))["settings"]
-    ck.check_resume_settings(
-        saved, {**saved, "visual_lr": saved["lr"], "warmup": 5, "epochs": 9}, "--resume x"
-    )
+    check_resume_settings(saved, {**saved, "visual_lr": saved["lr"], "warmup": 5, "epochs": 9}, "--resume x")
     for name, flag in (("wd", "--wd"), ("beta2", "--beta2"), ("text_ld", "--text-ld")):
         with pytest.raises(ck.ResumeSettingsError, match=f"{flag} "):
-            ck.check_resume_settings(saved, {**saved, name: 0.5}, "--resume x")
+            check_resume_settings(saved, {**saved, name: 0.5}, "--resume x")
 
 
 def test_prune_keeps_the_newest_complete_and_deletes_older_only(tmp_path):
@@ -572,10 +574,10 @@ def test_prune_keeps_the_newest_complete_and_deletes_older_only(tmp_path):
         d.mkdir(parents=True)
         if complete:
             (d / ck.MARKER).write_text(str(step))
-    gone = ck.prune(root, keep=2)
+    gone = prune(root, keep=2)
     assert sorted(p.name for p in gone) == [ck.tag_for(1), ck.tag_for(2)]
     assert sorted(p.name for p in root.iterdir()) == [ck.tag_for(3), ck.tag_for(4), ck.tag_for(5)]
-    assert ck.prune(root, keep=2) == []  # nothing older than the two newest complete ones
+    assert prune(root, keep=2) == []  # nothing older than the two newest complete ones
 
 
 def test_rng_state_round_trips_through_json():
@@ -583,7 +585,7 @@ def test_rng_state_round_trips_through_json():
 
     import numpy as np
 
-    state = json.loads(json.dumps(ck.rng_state()))
+    state = json.loads(json.dumps(rng_state()))
     a = (random.random(), float(np.random.rand()), float(torch.rand(1)))
-    ck.set_rng_state(state)
+    set_rng_state(state)
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == a

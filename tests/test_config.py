@@ -22,6 +22,8 @@ from ds_clip.config import (
     build_parser,
     flags,
     parse_settings,
+    resolve_deepspeed_for,
+    resolve_ds_config,
     settings_to_dict,
     validate,
 )
@@ -30,8 +32,6 @@ from ds_clip.ds_config import (
     default_preset,
     list_presets,
     load_preset,
-    resolve_deepspeed,
-    resolve_ds_config,
     write_run_files,
 )
 
@@ -144,11 +144,11 @@ def test_default_preset_follows_the_world_size_and_explicit_choices_stand():
     assert stage([], 1) == 0 and stage(["--precision", "bf16"], 1) == 0
     assert [stage([], w) for w in (2, 3, 4, 5, 8)] == [0, 0, 0, 1, 1]
     assert stage(["--precision", "bf16"], 2) == 1 and stage(["--precision", "bf16"], 4) == 1
-    preset, why = default_preset(parse_settings([]), 1)
+    preset, why = default_preset(parse_settings([]).deepspeed_request(), 1)
     assert preset == "zero0_fp32" and "one process" in why
-    preset, why = default_preset(parse_settings([]), 2)
+    preset, why = default_preset(parse_settings([]).deepspeed_request(), 2)
     assert preset == "zero0_fp32" and "as DDP does" in why
-    assert default_preset(parse_settings([]), 8)[0] == "zero1_fp32"
+    assert default_preset(parse_settings([]).deepspeed_request(), 8)[0] == "zero1_fp32"
     assert stage(["--zero-stage", "1"], 2) == 1 and stage(["--coalesce-grad-reduction", "on"], 2) == 1
     assert stage(["--zero-stage", "1"], 1) == 1 and stage(["--zero-stage", "2"], 1) == 2
     assert stage(["--ds-config", "zero1_fp32"], 1) == 1 and stage(["--ds-config", "zero3_fp32"], 1) == 3
@@ -159,13 +159,17 @@ def test_default_preset_follows_the_world_size_and_explicit_choices_stand():
     assert cfg["zero_optimization"] == {**load_preset("zero1_fp32")["zero_optimization"], "stage": 0}
     # auto finds no ZeRO optimizer to coalesce on one default process, and says so.
     auto = parse_settings(["--coalesce-grad-reduction", "auto"])
-    assert "ZeRO stage 0" in resolve_deepspeed(auto, 1).coalesce_fallback
-    assert "ZeRO stage 0" in resolve_deepspeed(auto, 2).coalesce_fallback  # the fp32 2-rank default: ZeRO-0
-    assert resolve_deepspeed(auto, 8).coalesce_fallback is None
+    assert "ZeRO stage 0" in resolve_deepspeed_for(auto, 1).coalesce_fallback
+    assert (
+        "ZeRO stage 0" in resolve_deepspeed_for(auto, 2).coalesce_fallback
+    )  # the fp32 2-rank default: ZeRO-0
+    assert resolve_deepspeed_for(auto, 8).coalesce_fallback is None
     # The resolved value says which preset and why (the start-up log line), and nothing when it was chosen.
-    resolved = resolve_deepspeed(parse_settings([]), 1)
-    assert (resolved.preset, resolved.default_reason) == default_preset(parse_settings([]), 1)
-    assert resolve_deepspeed(parse_settings(["--ds-config", "zero2_fp32"]), 1).default_reason is None
+    resolved = resolve_deepspeed_for(parse_settings([]), 1)
+    assert (resolved.preset, resolved.default_reason) == default_preset(
+        parse_settings([]).deepspeed_request(), 1
+    )
+    assert resolve_deepspeed_for(parse_settings(["--ds-config", "zero2_fp32"]), 1).default_reason is None
 
 
 def test_resolve_does_not_mutate_the_preset_and_is_repeatable():
@@ -521,7 +525,7 @@ def test_offload_needs_a_zero_stage_that_supports_it():
 
 def test_write_run_files_writes_settings_and_ds_config(tmp_path):
     s = parse_settings(["--name", "r", "--ds-config", "zero2_bf16", "--accum-freq", "4"])
-    ds = resolve_deepspeed(s, world_size=2)
+    ds = resolve_deepspeed_for(s, world_size=2)
     cfg = ds.config
     run_dir = tmp_path / "logs" / s.logging.name
     write_run_files(run_dir, settings_to_dict(s), ds)
@@ -578,6 +582,7 @@ def test_every_field_is_one_flag_with_a_docstring_and_help():
 def test_eval_parser_reuses_the_training_fields():
     """ds-clip-eval's shared flags come from the same fields (same option, help, type), defaults aside."""
     from ds_clip import evaluate
+    from ds_clip.evaluate.settings import EVAL_BATCH_SIZE
 
     train = {a.dest: a for a in build_parser()._actions}
     evals = {a.dest: a for a in evaluate.build_parser()._actions}
@@ -585,7 +590,7 @@ def test_eval_parser_reuses_the_training_fields():
         assert evals[name].option_strings == train[name].option_strings, name
         assert evals[name].type == train[name].type or evals[name].type.__name__ == train[name].type.__name__
     # --val-data is optional there: class folders alone (--zeroshot-folder, --imagenet-val) are an evaluation too.
-    assert evals["batch_size"].default == evaluate.EVAL_BATCH_SIZE and not evals["val_data"].required
+    assert evals["batch_size"].default == EVAL_BATCH_SIZE and not evals["val_data"].required
     docs = {f.name: f.doc.replace("%", "%%") for f in flags()}
     assert all(
         evals[n].help.startswith(docs[n]) and train[n].help.startswith(docs[n]) for n in evaluate.SHARED_FLAGS

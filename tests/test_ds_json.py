@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ds_clip.config import SettingsError, parse_settings
-from ds_clip.ds_config import fill_start_keys, resolve_deepspeed, resolve_geometry
+from ds_clip.config import SettingsError, parse_settings, resolve_deepspeed_for, resolve_geometry
+from ds_clip.ds_config import fill_start_keys
 
 PUBLIC = Path(__file__).resolve().parent / "data" / "ds_configs"
 
@@ -26,7 +26,7 @@ def _json(tmp_path: Path, data: dict, name: str = "mine.json") -> str:
 
 def _resolve(argv: list[str], world_size: int = 2):
     s = parse_settings(argv)
-    return s, resolve_deepspeed(s, world_size, accelerator="cpu")
+    return s, resolve_deepspeed_for(s, world_size, accelerator="cpu")
 
 
 def _sources(ds) -> dict[str, str]:
@@ -159,7 +159,7 @@ def test_any_two_of_the_batch_triple_set_n_m_and_k(tmp_path, keys, world_size, m
     s = parse_settings(["--ds-config", _json(tmp_path, {"zero_optimization": {"stage": 1}, **keys})])
     g = resolve_geometry(s, world_size)
     assert (g.micro_batch_size, g.accum_freq, g.global_batch) == mkn
-    cfg = resolve_deepspeed(s, world_size).config
+    cfg = resolve_deepspeed_for(s, world_size).config
     assert cfg["gradient_accumulation_steps"] == 1 and cfg["train_batch_size"] == mkn[0] * world_size
 
 
@@ -304,7 +304,7 @@ def test_keys_only_a_gpu_or_nvme_serves_are_refused_naming_key_and_hardware(tmp_
         in _resolve(["--ds-config", _json(tmp_path, zpp)])[1].hardware_blocker
     )
     assert (
-        resolve_deepspeed(
+        resolve_deepspeed_for(
             parse_settings(["--ds-config", _json(tmp_path, nvme)]), 2, accelerator="cuda"
         ).hardware_blocker
         is None

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ds_clip import checkpoint as ck
+from ds_clip.checkpoint.manifest import manifest_files
 from ds_clip.config import SettingsError, parse_settings
 from ds_clip.ema import EmaSchedule, full_state_from_files, rank_files
 from ds_clip_harness.groups import spawn_group
@@ -184,7 +185,7 @@ def test_ema_resume_is_step_exact(runs, zero):
     assert _max_abs_diff(resumed, full) <= 1e-6
     assert _max_abs_diff(full, _weights(logs, f"ema_z{zero}")) > 1e-5  # over the trained parameters
     assert len(rank_files(_ckpt(logs, f"ema_z{zero}", STEPS))) == 2  # one file per rank, in the manifest
-    manifest = ck.manifest_files(json.loads((_ckpt(logs, f"ema_z{zero}", STEPS) / ck.MANIFEST).read_text()))
+    manifest = manifest_files(json.loads((_ckpt(logs, f"ema_z{zero}", STEPS) / ck.MANIFEST).read_text()))
     assert {"ema_rank0.pt", "ema_rank1.pt"} <= manifest.keys()
     assert all(ck.CHECKSUM in manifest[f"ema_rank{r}.pt"] for r in (0, 1))  # hashed by the rank that wrote it
     assert any("resumed the weight EMA (2 updates)" in line for line in runs["lines"][f"res_z{zero}"])

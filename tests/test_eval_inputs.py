@@ -23,6 +23,10 @@ from PIL import Image
 from ds_clip import evaluate as ev
 from ds_clip.checkpoint import RunFolderError, check_fresh_run_folder
 from ds_clip.evaluate.agreement import agree
+from ds_clip.evaluate.classes import folder_classes, load_templates
+from ds_clip.evaluate.inputs import check_zeroshot_folder
+from ds_clip.evaluate.settings import is_table
+from ds_clip.evaluate.zeroshot import classify_folders
 
 COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255)}
 
@@ -40,13 +44,13 @@ def _table(tmp_path: Path, rows: list[tuple[str, str]], sep: str = ",") -> Path:
 
 
 def _settings(val_data: Path | str, **kw) -> ev.EvalSettings:
-    return ev.EvalSettings(val_data=str(val_data), table=ev.is_table(str(val_data)), **kw)
+    return ev.EvalSettings(val_data=str(val_data), table=is_table(str(val_data)), **kw)
 
 
 def test_val_data_kind_follows_open_clip():
-    assert ev.is_table("val.csv") and ev.is_table("/d/VAL.TSV") and not ev.is_table("synthetic")
-    assert not ev.is_table("val/{0..3}.tar") and not ev.is_table("val.tar", "csv")
-    assert ev.is_table("val.txt", "csv") and not ev.is_table("val.txt", "webdataset")
+    assert is_table("val.csv") and is_table("/d/VAL.TSV") and not is_table("synthetic")
+    assert not is_table("val/{0..3}.tar") and not is_table("val.tar", "csv")
+    assert is_table("val.txt", "csv") and not is_table("val.txt", "webdataset")
 
 
 def test_csv_val_data_is_read_with_the_csv_keys_each_row_once(tmp_path):
@@ -149,12 +153,12 @@ def _color_model():
 
 def test_class_folder_zeroshot_known_answer(tmp_path):
     root = _class_tree(tmp_path / "colors")
-    folders, names = ev.folder_classes(str(root))
+    folders, names = folder_classes(str(root))
     assert folders == ["blue", "green", "red"] and names == folders
     _, preprocess, tokenizer, forward = _color_model()
     task = ev.folder_task(str(root), None, "simple")
-    ev.check_zeroshot_folder(str(root), None, "simple")
-    m = ev.classify_folders(
+    check_zeroshot_folder(str(root), None, "simple")
+    m = classify_folders(
         forward, [task], preprocess=preprocess, tokenizer=tokenizer, batch_size=4, device="cpu"
     )
     assert m == {
@@ -168,11 +172,11 @@ def test_an_undecodable_class_image_is_skipped_and_counted_not_the_whole_zerosho
     other images and says in one line how many it skipped (as a bad --val-data sample or shard sample is)."""
     root = _class_tree(tmp_path / "colors")
     (root / "green" / "0.png").write_bytes(b"\xff\xd8 not a jpeg")
-    ev.check_zeroshot_folder(str(root), None, "simple")
+    check_zeroshot_folder(str(root), None, "simple")
     _, preprocess, tokenizer, forward = _color_model()
     task = ev.folder_task(str(root), None, "simple")
     with caplog.at_level(logging.WARNING, logger="ds_clip"):
-        m = ev.classify_folders(
+        m = classify_folders(
             forward, [task], preprocess=preprocess, tokenizer=tokenizer, batch_size=4, device="cpu"
         )
     assert m == {"zeroshot-folder-top1": pytest.approx(4 / 5), "zeroshot-folder-samples": 5.0}
@@ -184,24 +188,24 @@ def test_class_names_from_a_json_map_and_templates_from_a_file(tmp_path):
     root = tmp_path / "tree"
     for f in ("n01", "n02_x"):
         _png(root / f / "a.png")
-    assert ev.folder_classes(str(root))[1] == ["n01", "n02 x"]
+    assert folder_classes(str(root))[1] == ["n01", "n02 x"]
     names = tmp_path / "names.json"
     names.write_text(json.dumps({"n01": "tench", "n02_x": "goldfish"}))
-    assert ev.folder_classes(str(root), str(names))[1] == ["tench", "goldfish"]
+    assert folder_classes(str(root), str(names))[1] == ["tench", "goldfish"]
     names.write_text(json.dumps({"n01": "tench"}))
     with pytest.raises(ev.EvalError, match="--zeroshot-classnames .*no name for 1 of the 2 class folders"):
-        ev.folder_classes(str(root), str(names))
+        folder_classes(str(root), str(names))
     templates = tmp_path / "t.txt"
     templates.write_text("a photo of {c}.\n\nart of {c}\n")
-    assert [t("ox") for t in ev.load_templates(str(templates))] == ["a photo of ox.", "art of ox"]
+    assert [t("ox") for t in load_templates(str(templates))] == ["a photo of ox.", "art of ox"]
     templates.write_text("no placeholder\n")
     with pytest.raises(ev.EvalError, match="--zeroshot-templates"):
-        ev.load_templates(str(templates))
+        load_templates(str(templates))
     (root / "n01" / "a.png").write_bytes(b"not an image")
-    ev.check_zeroshot_folder(str(root), None, "openai")  # one bad image: skipped and counted when evaluated
+    check_zeroshot_folder(str(root), None, "openai")  # one bad image: skipped and counted when evaluated
     (root / "n02_x" / "a.png").write_bytes(b"not an image either")
     with pytest.raises(ev.EvalError, match="--zeroshot-folder .*none of its first 2 images decodes"):
-        ev.check_zeroshot_folder(str(root), None, "openai")
+        check_zeroshot_folder(str(root), None, "openai")
 
 
 def test_a_failed_part_is_agreed_and_raised_as_eval_failed():

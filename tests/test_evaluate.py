@@ -18,6 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from ds_clip import evaluate as ev
+from ds_clip.evaluate.classes import label_from_caption, load_zeroshot
+from ds_clip.evaluate.metrics import _true_ranks, contrastive_val_loss, retrieval_metrics, zeroshot_accuracy
+from ds_clip.evaluate.reporting import report
+from ds_clip.evaluate.zeroshot import zeroshot_classifier
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,18 +29,18 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_retrieval_perfect_shifted_and_collapsed():
     n = 20
     basis = torch.eye(n)
-    m = ev.retrieval_metrics(basis, basis)
+    m = retrieval_metrics(basis, basis)
     assert m["i2t_R@1"] == m["t2i_R@1"] == 1.0 and m["i2t_median_rank"] == 1.0
     # Text i = e_(i+1) + 0.5 e_i: image i+1 scores 1, its own image 0.5, so every true pair has rank 2.
     image = basis
     text_swapped = basis.roll(-1, dims=0) + 0.5 * basis
-    m = ev.retrieval_metrics(image, text_swapped)
+    m = retrieval_metrics(image, text_swapped)
     assert m["t2i_R@1"] == 0.0 and m["t2i_R@5"] == 1.0 and m["t2i_median_rank"] == 2.0
     # Text i = e_i + 0.5 e_(i+1): its own image scores highest.
-    assert ev.retrieval_metrics(image, basis + 0.5 * basis.roll(-1, dims=0))["t2i_R@1"] == 1.0
+    assert retrieval_metrics(image, basis + 0.5 * basis.roll(-1, dims=0))["t2i_R@1"] == 1.0
     # Everything maps to one point: all scores tie; ties go by index, so pair i has rank i: chance.
     same = torch.ones(n, 4)
-    m = ev.retrieval_metrics(same, same)
+    m = retrieval_metrics(same, same)
     assert m["i2t_R@1"] == pytest.approx(1 / n) and m["i2t_R@5"] == pytest.approx(5 / n)
     assert m["i2t_R@10"] == pytest.approx(10 / n) and m["i2t_median_rank"] == pytest.approx(10.5)
 
@@ -55,7 +59,7 @@ def test_retrieval_ranks_are_exact_for_a_known_permutation():
         for pos, j in enumerate(order):
             scores[i, j] = 1.0 - pos / n
     image = scores @ torch.linalg.pinv(text.T)  # image @ text.T == scores (text has full column rank here)
-    ranks = ev._true_ranks(image, text)
+    ranks = _true_ranks(image, text)
     assert torch.equal(ranks, want)
 
 
@@ -65,9 +69,9 @@ def test_val_loss_is_open_clips_loss_on_the_whole_batch():
     torch.manual_seed(1)
     img, txt = F.normalize(torch.randn(50, 8), dim=-1), F.normalize(torch.randn(50, 8), dim=-1)
     scale = 7.5
-    ours = ev.contrastive_val_loss(img, txt, scale)
+    ours = contrastive_val_loss(img, txt, scale)
     assert ours == pytest.approx(float(ClipLoss()(img, txt, torch.tensor(scale))), rel=1e-5)
-    ours = ev.contrastive_val_loss(img, txt, scale, logit_bias=-3.0)
+    ours = contrastive_val_loss(img, txt, scale, logit_bias=-3.0)
     ref = SigLipLoss()(img, txt, torch.tensor(scale), torch.tensor(-3.0))
     assert ours == pytest.approx(float(ref), rel=1e-5)
 
@@ -79,7 +83,7 @@ def test_zeroshot_accuracy_known_answer():
         0.5  # sample 5 (label 1) points at class 5 first, class 1 second: wrong at top-1, right at top-5
     )
     labels = torch.tensor([0, 1, 2, 3, 4, 1, 0, -1])  # the last has no label: not counted
-    m = ev.zeroshot_accuracy(image, labels, classifier)
+    m = zeroshot_accuracy(image, labels, classifier)
     assert m["zeroshot_samples"] == 7
     assert m["zeroshot_top1"] == pytest.approx(6 / 7)
     assert m["zeroshot_top5"] == pytest.approx(1.0)
@@ -94,7 +98,7 @@ def test_zeroshot_classifier_is_mean_of_normalised_templates():
 
     tokenizer = lambda texts: torch.tensor([[len(t), 1.0] for t in texts])  # noqa: E731
     templates = [lambda c: f"a {c}", lambda c: f"a big {c}"]
-    cls = ev.zeroshot_classifier(forward, tokenizer, ["ox", "horse"], templates, device="cpu")
+    cls = zeroshot_classifier(forward, tokenizer, ["ox", "horse"], templates, device="cpu")
     want = F.normalize(F.normalize(torch.tensor([[4.0, 1], [8.0, 1]]), dim=-1).mean(0), dim=-1)
     torch.testing.assert_close(cls[0], want)
     assert cls.shape == (2, 2) and calls == [False, False]
@@ -102,29 +106,29 @@ def test_zeroshot_classifier_is_mean_of_normalised_templates():
 
 def test_labels_from_captions_and_class_files(tmp_path):
     names = ["circle", "square", "top left"]
-    assert ev.label_from_caption("a small red circle in the center", names) == 0
-    assert ev.label_from_caption("a square in the top left", names) == -1  # two classes: not counted
-    assert ev.label_from_caption("a circles party", names) == -1  # whole words only
+    assert label_from_caption("a small red circle in the center", names) == 0
+    assert label_from_caption("a square in the top left", names) == -1  # two classes: not counted
+    assert label_from_caption("a circles party", names) == -1  # whole words only
     f = tmp_path / "c.json"
     f.write_text(json.dumps({"classnames": ["a", "b"], "templates": ["x {c} y"]}))
-    classes, templates = ev.load_zeroshot(str(f))
+    classes, templates = load_zeroshot(str(f))
     assert classes == ["a", "b"] and [t("a") for t in templates] == ["x a y"]
     txt = tmp_path / "c.txt"
     txt.write_text("dog\n\ncat\n")
-    classes, templates = ev.load_zeroshot(str(txt))
+    classes, templates = load_zeroshot(str(txt))
     assert classes == ["dog", "cat"] and len(templates) > 1
     f.write_text(json.dumps({"classnames": ["a"], "templates": ["no placeholder"]}))
     with pytest.raises(ev.EvalError, match="--zeroshot-classes"):
-        ev.load_zeroshot(str(f))
+        load_zeroshot(str(f))
     with pytest.raises(ev.EvalError, match="no such file"):
-        ev.load_zeroshot(str(tmp_path / "missing.json"))
+        load_zeroshot(str(tmp_path / "missing.json"))
 
 
 def test_report_writes_json_history_and_csv(tmp_path):
     m = {"val_samples": 4.0, "val_loss": 1.0, "i2t_R@1": 0.5}
-    ev.report(tmp_path, 10, m)
-    ev.report(tmp_path, 20, {**m, "val_loss": 0.5})
-    ev.report(tmp_path, 20, {**m, "val_loss": 0.25})  # a resumed run re-evaluating step 20 replaces it
+    report(tmp_path, 10, m)
+    report(tmp_path, 20, {**m, "val_loss": 0.5})
+    report(tmp_path, 20, {**m, "val_loss": 0.25})  # a resumed run re-evaluating step 20 replaces it
     hist = json.loads((tmp_path / "eval_results.json").read_text())
     assert [(h["step"], h["val_loss"]) for h in hist] == [(10, 1.0), (20, 0.25)]
     assert (tmp_path / "val_metrics.csv").read_text().splitlines()[0] == "step,val_samples,val_loss,i2t_R@1"

@@ -18,7 +18,7 @@ import pytest
 
 from ds_clip import train
 from ds_clip.config import ANSWERED, TrainSettings, build_parser, flags, parse_settings
-from ds_clip.ds_config import resolve_deepspeed, resolve_ds_config
+from ds_clip.config.resolve import resolve_deepspeed_for, resolve_ds_config
 from ds_clip.presets import PRECISION_MAP, SettingsError
 from tests import launch
 from tests.test_config import _doc_generator  # scripts/gen_configuration_doc.py also reads open_clip's parser
@@ -185,7 +185,9 @@ def test_what_deepspeed_cannot_build_on_the_cpu_is_refused():
     have no CPU kernel; Lion under offload runs DeepSpeed's CPU Lion. On CUDA all build."""
 
     def why(*argv, accelerator="cpu"):
-        return resolve_deepspeed(parse_settings(list(argv)), None, accelerator=accelerator).optimizer_blocker
+        return resolve_deepspeed_for(
+            parse_settings(list(argv)), None, accelerator=accelerator
+        ).optimizer_blocker
 
     assert "FusedLamb" in why("--opt", "lamb")
     assert "zero2_offload_fp32" in why("--opt", "lion")
@@ -273,7 +275,7 @@ def test_imagenet_zeroshot_matches_open_clip_train(tmp_path):
     import open_clip
     import torch
 
-    from ds_clip import evaluate
+    from ds_clip.evaluate.zeroshot import imagenet_zeroshot
     from ds_clip.model import build_model
     from ds_clip_harness.models import E2E_MODEL
 
@@ -310,7 +312,7 @@ def test_imagenet_zeroshot_matches_open_clip_train(tmp_path):
     def forward(image=None, text=None):
         return model(image=image, text=text)
 
-    ours = evaluate.imagenet_zeroshot(
+    ours = imagenet_zeroshot(
         forward, {"--imagenet-val": str(tmp_path / "val")}, preprocess=b.preprocess_val, tokenizer=b.tokenizer,
         batch_size=3, device="cpu",
     )  # fmt: skip
@@ -416,7 +418,8 @@ def test_skip_scheduler_is_the_peak_from_the_first_step():
 
 def test_resume_refuses_another_optimizer():
     """A checkpoint's optimizer state belongs to its --opt (and --momentum): a resume with another is exit 2."""
-    from ds_clip.checkpoint import ResumeSettingsError, check_resume_settings
+    from ds_clip.checkpoint import ResumeSettingsError
+    from ds_clip.checkpoint.load import check_resume_settings
     from ds_clip.config import settings_to_dict
 
     saved = settings_to_dict(parse_settings(["--opt", "sgd", "--momentum", "0.9"]))
@@ -436,7 +439,7 @@ def test_use_bn_sync_converts_batchnorm_and_is_refused_on_the_cpu(tmp_path, caps
     on GPUs it is not refused (the GPU run itself is not checked here: no GPU on the CI machines)."""
     import torch
 
-    from ds_clip.ds_config import resolve_deepspeed as resolve
+    from ds_clip.config import resolve_deepspeed_for as resolve
     from ds_clip.engine import build_model_bundle
     from ds_clip_harness.models import write_model_dirs
 

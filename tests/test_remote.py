@@ -35,6 +35,8 @@ import torch
 
 from ds_clip import checkpoint as ck
 from ds_clip import remote as rm
+from ds_clip.checkpoint.find import verify_resume
+from ds_clip.checkpoint.manifest import _listing, _manifest, first_mismatch
 from ds_clip_harness.models import E2E_MODEL
 from tests import launch
 from tests.launch import ROOT, VENV_BIN
@@ -55,7 +57,7 @@ def _fake_checkpoint(ckpt_root: Path, step: int, payload: bytes) -> Path:
     (path / "mp_rank_00_model_states.pt").write_bytes(payload)
     (path / "rank0.json").write_text(json.dumps({"data": {}, "rng": {}}))
     (path / ck.META).write_text(json.dumps({"step": step}))
-    (path / ck.MANIFEST).write_text(json.dumps(ck._manifest(path, {})))
+    (path / ck.MANIFEST).write_text(json.dumps(_manifest(path, {})))
     (path / ck.MARKER).write_text(str(step))
     (ckpt_root / ck.POINTER).write_text(path.name)
     return path
@@ -117,7 +119,7 @@ def test_a_flipped_file_is_refused_naming_it_and_the_newest_intact_checkpoint(tm
     _fake_checkpoint(root, 2, os.urandom(1 << 20))
     _fake_checkpoint(root, 4, os.urandom(1 << 20))
     newest = _fake_checkpoint(root, 6, os.urandom(1 << 20))
-    ck.verify_resume(tmp_path / "run", "latest")  # intact: nothing raised
+    verify_resume(tmp_path / "run", "latest")  # intact: nothing raised
     manifest = json.loads((newest / ck.MANIFEST).read_text())
     assert manifest["checksum"] == ck.CHECKSUM
     assert set(manifest["files"]) == {"mp_rank_00_model_states.pt", "rank0.json", ck.META}
@@ -125,18 +127,18 @@ def test_a_flipped_file_is_refused_naming_it_and_the_newest_intact_checkpoint(tm
     _flip_middle(victim)
     _flip_middle(root / ck.tag_for(4) / "rank0.json", 4)  # step 4 is damaged too: step 2 is the intact one
     with pytest.raises(ck.CorruptCheckpointError) as err:
-        ck.verify_resume(tmp_path / "run", "latest")
+        verify_resume(tmp_path / "run", "latest")
     line = str(err.value)
     assert "\n" not in line and str(victim) in line and "does not match its checksum" in line
     assert f"the newest intact checkpoint is {root / ck.tag_for(2)}" in line
     assert err.value.exit_code == 2
     # A checkpoint folder named directly is checked the same way.
     with pytest.raises(ck.CorruptCheckpointError, match="rank0.json"):
-        ck.verify_resume(tmp_path / "run", str(root / ck.tag_for(4)))
+        verify_resume(tmp_path / "run", str(root / ck.tag_for(4)))
     # An older manifest without checksums: sizes only, nothing to verify.
     old = root / ck.tag_for(2)
-    (old / ck.MANIFEST).write_text(json.dumps({n: (old / n).stat().st_size for n in ck._listing(old)}))
-    assert ck.resolve(None, str(old)) == old and ck.first_mismatch(old) is None
+    (old / ck.MANIFEST).write_text(json.dumps({n: (old / n).stat().st_size for n in _listing(old)}))
+    assert ck.resolve(None, str(old)) == old and first_mismatch(old) is None
 
 
 # ------------------------------------------------------------------------------ sync on a real fsspec
@@ -187,7 +189,7 @@ def test_sync_sends_only_complete_intact_checkpoints_and_a_pull_checks_every_fil
     fresh.mkdir(parents=True)
     pulled = rm.pull_latest(remote, fresh)
     assert pulled == fresh / "checkpoints" / ck.tag_for(10)
-    assert ck.resolve(fresh, "latest") == pulled and ck.first_mismatch(pulled) is None
+    assert ck.resolve(fresh, "latest") == pulled and first_mismatch(pulled) is None
     assert (fresh / "metrics.csv").exists() and not list((fresh / "checkpoints").glob(".pull-*"))
     assert rm.pull_latest(remote, fresh) is None  # as new here as there: nothing to pull
     # A damaged remote copy is refused naming the remote file; nothing half-pulled stays.
@@ -495,7 +497,7 @@ def test_full_disk_save_is_one_line_keeps_the_last_complete_and_continue_retries
     assert len(warned) == 1 and ck.tag_for(4) in warned[0] and "no space left" in warned[0], out[-3000:]
     ckpts = disk / "logs" / "go" / "checkpoints"
     assert (ckpts / ck.POINTER).read_text() == ck.tag_for(6) and not (ckpts / ck.tag_for(4)).exists()
-    ck.verify_resume(disk / "logs" / "go", "latest")
+    verify_resume(disk / "logs" / "go", "latest")
 
 
 @pytest.mark.e2e

@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from ds_clip import checkpoint as ck
+from ds_clip.checkpoint.find import is_intact
 from ds_clip_harness.models import E2E_MODEL
 from tests.slurm_cluster import Slurm, SlurmUnavailable, missing, slurm_cluster
 
@@ -227,7 +228,7 @@ def test_the_time_limit_warning_saves_and_ends_the_job_zero_before_the_limit(slu
     assert re.search(r"^step \d+/", log, re.M), log[-3000:]  # it trained before the warning came
     assert "received SIGUSR1" in log and "saved checkpoint" in log, log[-3000:]
     step = _latest_step(work, "limit")
-    assert step > 0 and ck.is_intact(work["logs"] / "limit" / "checkpoints" / ck.tag_for(step))
+    assert step > 0 and is_intact(work["logs"] / "limit" / "checkpoints" / ck.tag_for(step))
     exit_code = slurm.run("scontrol", "show", "job", job).stdout
     assert "ExitCode=0:0" in exit_code, exit_code
     _nothing_left(work)

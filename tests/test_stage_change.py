@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from ds_clip import checkpoint as ck
+from ds_clip.checkpoint.layout import UNIVERSAL_PREFIX
 from ds_clip_harness.groups import spawn_group
 from ds_clip_harness.models import E2E_MODEL
 
@@ -193,7 +194,7 @@ def test_fp32_a_resume_under_another_stage_ends_where_the_straight_run_of_that_s
     assert (meta["world_size"], meta["zero_stage"], meta["step"]) == (2, resumed, STEPS)
     diff = _max_abs_diff(_final(logs, name), _final(logs, f"two_fp32_z{resumed}"))
     assert diff <= TOL, diff
-    assert not list((logs / name / "checkpoints").glob(f"{ck.UNIVERSAL_PREFIX}*"))
+    assert not list((logs / name / "checkpoints").glob(f"{UNIVERSAL_PREFIX}*"))
 
 
 def _four(model: str, logs: Path) -> None:

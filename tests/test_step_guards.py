@@ -284,8 +284,7 @@ def test_coalesce_on_is_refused_where_deepspeed_does_not_allow_it(argv, reason, 
     BF16_Optimizer wrapper it picks for bf16 ZeRO-1 with fp32 gradient accumulation; a preset that turns
     managed accumulation off): ds-clip-train exits 2 before any process starts, with one line naming the flag
     and the reason. auto resolves the same settings to an engine without coalescing."""
-    from ds_clip.config import parse_settings
-    from ds_clip.ds_config import resolve_deepspeed, resolve_ds_config
+    from ds_clip.config import parse_settings, resolve_deepspeed_for, resolve_ds_config
     from ds_clip.train import main
 
     presets = {
@@ -302,15 +301,14 @@ def test_coalesce_on_is_refused_where_deepspeed_does_not_allow_it(argv, reason, 
     assert err.count("\n") == 0 and "--coalesce-grad-reduction on" in err and reason in err, err
     auto = parse_settings([*argv, "--coalesce-grad-reduction", "auto"])
     assert resolve_ds_config(auto, world_size=2)["managed_gradient_accumulation"] is False
-    assert reason in resolve_deepspeed(auto, None).coalesce_fallback
+    assert reason in resolve_deepspeed_for(auto, None).coalesce_fallback
 
 
 def test_coalesce_on_resolves_managed_accumulation_on_zero_1_to_3():
     """Where DeepSpeed allows it (ZeRO 1-3, fp32/bf16, with optimizer offload too), on and auto resolve the
     engine with managed accumulation (what coalesce_grad_reduction() asserts) and nothing to log; off keeps
     the unmanaged boundary."""
-    from ds_clip.config import parse_settings
-    from ds_clip.ds_config import resolve_deepspeed, resolve_ds_config
+    from ds_clip.config import parse_settings, resolve_deepspeed_for, resolve_ds_config
 
     for extra in (
         ["--zero-stage", "1"],
@@ -324,7 +322,7 @@ def test_coalesce_on_resolves_managed_accumulation_on_zero_1_to_3():
                 extra,
                 mode,
             )
-            assert resolve_deepspeed(s, None).coalesce_fallback is None
+            assert resolve_deepspeed_for(s, None).coalesce_fallback is None
 
 
 def test_fp16_overflow_is_a_skipped_step_with_the_schedule_held(results):

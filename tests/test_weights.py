@@ -11,6 +11,7 @@ import pytest
 
 from ds_clip import checkpoint as ck
 from ds_clip import weights
+from ds_clip.checkpoint.manifest import _manifest
 from ds_clip.config import ModelSettings
 from ds_clip_harness.models import E2E_MODEL, write_pretrained_dir
 
@@ -22,7 +23,7 @@ def _saved(run_dir: Path, step: int, *, complete: bool = True, point: bool = Tru
     path.mkdir(parents=True)
     (path / "mp_rank_00_model_states.pt").write_bytes(b"w" * 64)
     (path / ck.META).write_text(json.dumps({"step": step}))
-    (path / ck.MANIFEST).write_text(json.dumps(ck._manifest(path, {})))
+    (path / ck.MANIFEST).write_text(json.dumps(_manifest(path, {})))
     if complete:
         (path / ck.MARKER).write_text(str(step))
     if point:

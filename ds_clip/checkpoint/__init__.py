@@ -28,87 +28,29 @@ rank's partitions by ``_load_resharded`` (DeepSpeed 0.19.8's own ZeRO-3 universa
 
 The package, by job: ``layout`` (names, tags, errors) → ``rng`` → ``manifest`` (sizes and checksums) → ``save``
 → ``find`` (what ``--resume`` names, complete and intact) → ``load`` (checks and the load) → ``cadence``
-(``Checkpointer``: when the trainer saves, and its resume). Every name is importable from ``ds_clip.checkpoint``.
+(``Checkpointer``: when the trainer saves, and its resume). ``ds_clip.checkpoint`` names what the trainer, the
+export, the evaluation and users need (below); every other name is imported from its module
+(``ds_clip.checkpoint.save``, ``.find``, ``.load``, ``.manifest``, ``.rng``, ``.layout``, ``.cadence``).
 """
 
 from __future__ import annotations
 
-from ds_clip.checkpoint.cadence import (
-    Checkpointer,
-    CheckpointPart,
-    epochs_done_at,
-    on_cadence,
-)
-from ds_clip.checkpoint.find import (
-    is_intact,
-    newest_intact_before,
-    read_meta,
-    resolve,
-    verify,
-    verify_resume,
-)
+from ds_clip.checkpoint.cadence import Checkpointer, CheckpointPart, epochs_done_at, on_cadence
+from ds_clip.checkpoint.find import read_meta, resolve, verify
 from ds_clip.checkpoint.layout import (
     MANIFEST,
     MARKER,
     META,
     POINTER,
     TAG_PREFIX,
-    UNIVERSAL_PREFIX,
     CheckpointError,
     CorruptCheckpointError,
     SaveError,
-    _rank,
-    _step_of,
-    _world,
-    _write_json_atomic,
-    param_shapes,
     tag_for,
 )
-from ds_clip.checkpoint.load import (
-    _RESUME_DEFAULTS,
-    _RESUME_FLAGS,
-    RESUME_FIXED,
-    ResumeSettingsError,
-    _copy_slice,
-    _deepspeed_safe_globals,
-    _has_zero_files,
-    _load_common,
-    _load_other_shape,
-    _load_resharded,
-    _universal_dir,
-    check_compatible,
-    check_resume_settings,
-    install_safe_loading,
-    load,
-    safe_load,
-)
-from ds_clip.checkpoint.manifest import (
-    _CHUNK,
-    CHECKSUM,
-    _listing,
-    _manifest,
-    file_checksum,
-    first_mismatch,
-    manifest_files,
-)
-from ds_clip.checkpoint.rng import (
-    rng_state,
-    set_rng_state,
-)
-from ds_clip.checkpoint.save import (
-    OutputError,
-    RunFolderError,
-    _SaveGuard,
-    _why_write_failed,
-    check_fresh_run_folder,
-    check_output_space,
-    check_shared_run_folder,
-    check_writable,
-    estimate_bytes,
-    prune,
-    remove_partial,
-    save,
-)
+from ds_clip.checkpoint.load import ResumeSettingsError, safe_load
+from ds_clip.checkpoint.manifest import CHECKSUM
+from ds_clip.checkpoint.save import RunFolderError, check_fresh_run_folder, save
 
 __all__ = [
     "CHECKSUM",
@@ -119,58 +61,18 @@ __all__ = [
     "MANIFEST",
     "MARKER",
     "META",
-    "OutputError",
     "POINTER",
-    "RESUME_FIXED",
     "ResumeSettingsError",
     "RunFolderError",
     "SaveError",
     "TAG_PREFIX",
-    "UNIVERSAL_PREFIX",
-    "_CHUNK",
-    "_RESUME_DEFAULTS",
-    "_RESUME_FLAGS",
-    "_SaveGuard",
-    "_copy_slice",
-    "_deepspeed_safe_globals",
-    "_has_zero_files",
-    "_listing",
-    "_load_common",
-    "_load_other_shape",
-    "_load_resharded",
-    "_manifest",
-    "_rank",
-    "_step_of",
-    "_universal_dir",
-    "_why_write_failed",
-    "_world",
-    "_write_json_atomic",
-    "check_compatible",
     "check_fresh_run_folder",
-    "check_shared_run_folder",
-    "check_output_space",
-    "check_resume_settings",
-    "check_writable",
     "epochs_done_at",
-    "estimate_bytes",
-    "file_checksum",
-    "first_mismatch",
-    "install_safe_loading",
-    "is_intact",
-    "load",
-    "manifest_files",
-    "newest_intact_before",
     "on_cadence",
-    "param_shapes",
-    "prune",
     "read_meta",
-    "remove_partial",
     "resolve",
-    "rng_state",
     "safe_load",
     "save",
-    "set_rng_state",
     "tag_for",
     "verify",
-    "verify_resume",
 ]

@@ -17,9 +17,7 @@ from ds_clip.checkpoint.layout import (
 from ds_clip.checkpoint.load import (
     load,
 )
-from ds_clip.checkpoint.save import (
-    save,
-)
+from ds_clip.checkpoint.save import SaveHook, save
 from ds_clip.config import CheckpointSettings
 from ds_clip.geometry import BatchGeometry
 
@@ -93,6 +91,9 @@ class Checkpointer:
         """(step, folder) of the complete checkpoint that holds the engine's state now (saved or resumed)."""
         self._recent_only: Path | None = None
         """The last checkpoint saved only for --save-most-recent: deleted once a newer one is complete."""
+        self.save_hook: SaveHook | None = None
+        """Called at the named points of each save (``save.SAVE_POINTS``); None in a normal run:
+        ``faults.install`` sets it when DS_CLIP_INJECT_FAULT asks for a fault in a save."""
 
     def save(self, step: int, *, recent_only: bool = False) -> Path:
         """Save now (every rank). A failed save raises SaveError naming the checkpoint, the path and why.
@@ -114,6 +115,7 @@ class Checkpointer:
                 meta=meta,
                 keep=self.keep,
                 write_extra=self._write_parts if self.parts else None,
+                hook=self.save_hook,
             )
         except SaveError as exc:
             raise SaveError(

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ds_clip import faults
 from ds_clip.checkpoint.layout import (
     MANIFEST,
     MARKER,
@@ -125,6 +124,13 @@ def _why_write_failed(path: Path, exc: BaseException) -> str:
     return f"{path.name}: {reason}"
 
 
+SaveHook = Callable[[str, int, int], None]
+"""Called with (point, step, rank) at each named point of a save."""
+SAVE_POINTS = ("after_shards",)
+"""The points a save calls its hook at: "after_shards", every rank's own files (DeepSpeed's, its rank file, its
+extra parts) written, before the checksums are gathered and rank 0 marks the folder complete."""
+
+
 def save(
     engine,
     run_dir: Path,
@@ -136,6 +142,7 @@ def save(
     keep: int | None = None,
     checksums: bool = True,
     write_extra: Callable[[Path], list[Path]] | None = None,
+    hook: SaveHook | None = None,
 ) -> Path:
     """Every rank calls this. Returns the checkpoint folder; raises SaveError on every rank when any rank
     could not write its part (the partial folder is removed, ``latest_complete`` still names the last
@@ -146,7 +153,8 @@ def save(
 
     ``meta`` (JSON-able, rank 0's is written) should hold epoch, samples_seen, world_size, accum_freq,
     micro_batch_size, model, model_cfg; the engine's ZeRO stage and parameter shapes are added here.
-    ``checksums`` False writes sizes only (for measuring what the checksums cost).
+    ``checksums`` False writes sizes only (for measuring what the checksums cost). ``hook``: called at the
+    named points of ``SAVE_POINTS`` (fault injection; None in a normal run).
     """
     ckpt_root = run_dir / "checkpoints"
     tag = tag_for(step)
@@ -178,7 +186,8 @@ def save(
         "optimizer_param_names": optimizer_param_names(engine),
         "settings": settings,
     }
-    faults.maybe_kill("kill-in-save", step, _rank())
+    if hook is not None:
+        hook("after_shards", step, _rank())
     # Sync point: every rank's files are closed; rank 0 learns their checksums (and any rank's failure).
     written = all_gather_object({"sums": guard.sums, "error": guard.error})
     error = next((f"rank {r}: {w['error']}" for r, w in enumerate(written) if w["error"]), None)

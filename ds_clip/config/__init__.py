@@ -11,13 +11,15 @@ choices, a unit, how the flag relates to open_clip's). `ds-clip-eval` builds its
 Precedence: command-line flag > recipe > the DeepSpeed JSON (`--ds-config`) > the defaults of the fields. The
 JSON's training keys (batch triple, clipping, optimizer, scheduler, precision) fill the fields whose flags were
 left at their defaults (`ds_json`); `TrainSettings.sources` records where each value came from, and
-`ds_clip.ds_config.resolve_deepspeed` writes the settings back into the JSON, "auto" keys included.
+`ds_clip.ds_config.resolve_deepspeed` writes the settings back into the JSON, "auto" keys included: it reads
+`TrainSettings.deepspeed_request()` (the flags it needs) and the batch geometry, never the whole tree.
 
 The modules, each importing only those below it (import-linter, pyproject.toml):
 
 - `parser`: the command line (`build_parser`, `add_flags`) parsed into validated settings (`parse_settings`);
 - `answers`: open_clip_train's flags ds_clip has no field for, each answered with one line (`ANSWERED`);
 - `validation`: `validate`, every rule in one pass (cheap: no deepspeed, no torch.distributed);
+- `resolve`: what a launch of W ranks derives at start (`resolve_geometry`, `resolve_deepspeed_for`);
 - `ds_json`: a --ds-config file's training keys read as settings (`lift_ds_json`);
 - `model_checks`, `checks`: the rules of each section (`check_data`, `check_eval`, `check_model_flags`, ...);
 - `flags`: the fields read as flags (`flags`, `Flag`) and the flat settings dict (`settings_to_dict`);
@@ -40,6 +42,7 @@ from ds_clip.config.fields import (
 from ds_clip.config.flags import Flag, flag_named, flags, settings_to_dict
 from ds_clip.config.model_checks import aug_cfg_dict, check_model_flags
 from ds_clip.config.parser import Parser, add_flags, build_parser, default_run_name, parse_settings
+from ds_clip.config.resolve import resolve_deepspeed_for, resolve_ds_config, resolve_geometry
 from ds_clip.config.sections import (
     CheckpointSettings,
     DataSettings,
@@ -90,6 +93,9 @@ __all__ = [
     "flags",
     "imagenet_class_folders",
     "parse_settings",
+    "resolve_deepspeed_for",
+    "resolve_ds_config",
+    "resolve_geometry",
     "settings_to_dict",
     "validate",
 ]

@@ -97,7 +97,7 @@ def _batch(cfg: dict[str, Any], lift: _Lift) -> None:
     if "train_batch_size" in given and "train_micro_batch_size_per_gpu" not in given:
         if lift.chosen("batch_size") is None:
             # DeepSpeed's m = train_batch_size / (gradient_accumulation_steps x W), known at start
-            # (ds_config.resolve_geometry); until then m holds N / k, its value on one rank.
+            # (config.resolve_geometry); until then m holds N / k, its value on one rank.
             n, k = given["train_batch_size"], given.get("gradient_accumulation_steps", 1)
             if n % k:
                 raise SettingsError(

@@ -20,6 +20,7 @@ from ds_clip.config.fields import (
     LR_SCHEDULERS,
     opt,
 )
+from ds_clip.ds_rules import DeepSpeedRequest
 from ds_clip.presets import PRECISION_NAMES
 
 
@@ -608,6 +609,21 @@ class TrainSettings:
         if self.sources is None:
             return True
         return self.sources.get(name) in ("flag", "recipe")
+
+    def deepspeed_request(self) -> DeepSpeedRequest:
+        """What the DeepSpeed resolution (``ds_clip.ds_config``) reads of these settings: the optimizer section,
+        the dist flags, --use-bn-sync, --torchcompile and the sources; it never sees the whole tree."""
+        d = self.dist
+        return DeepSpeedRequest(
+            optim=self.optim,
+            precision=d.precision,
+            zero_stage=d.zero_stage,
+            coalesce_grad_reduction=d.coalesce_grad_reduction,
+            ds_config=d.ds_config,
+            use_bn_sync=self.model.use_bn_sync,
+            torchcompile=self.model.torchcompile,
+            sources=self.sources,
+        )
 
     @classmethod
     def section_types(cls) -> dict[str, type]:

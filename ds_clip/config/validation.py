@@ -46,7 +46,7 @@ def validate(s: TrainSettings) -> None:
     check_distill(s)
     _check_resume(s.checkpoint, s.logging)
     # The DeepSpeed preset: exists, parses, and agrees with the flags (world size unknown yet).
-    check_preset(s)
+    check_preset(s.deepspeed_request())
 
 
 def _check_json_batch(s: TrainSettings) -> None:

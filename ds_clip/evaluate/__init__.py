@@ -27,82 +27,33 @@ The package by role, each module importing only from those below it (an import-l
 -> ``zeroshot`` (classifiers, class-folder zero-shot) | ``reporting`` (log line, CSV, JSON) | ``inputs`` (every
 input checked before the first step) -> ``datasets`` (what a rank reads) -> ``classes`` (class names,
 templates) | ``metrics`` (pure functions) | ``agreement`` (the ranks agree that an evaluation failed) ->
-``settings``.
+``settings``. ``ds_clip.evaluate`` names what the trainer, ds-clip-eval and users need (below); the metrics,
+class names, classifiers and reporting are imported from their modules.
 """
 
-from ds_clip.evaluate.classes import folder_classes, label_from_caption, load_templates, load_zeroshot
 from ds_clip.evaluate.cli import SHARED_FLAGS, build_parser, main
-from ds_clip.evaluate.datasets import class_folder_samples, imagenet_samples, iter_val_batches
+from ds_clip.evaluate.datasets import iter_val_batches
 from ds_clip.evaluate.evaluator import Evaluator
-from ds_clip.evaluate.inputs import check_train_inputs, check_val_data, check_zeroshot_folder
-from ds_clip.evaluate.metrics import (
-    IMAGENET_METRICS,
-    RECALL_KS,
-    _true_ranks,  # noqa: F401 (the tests check its tie-breaking)
-    contrastive_val_loss,
-    retrieval_metrics,
-    zeroshot_accuracy,
-)
-from ds_clip.evaluate.reporting import format_line, report
+from ds_clip.evaluate.inputs import check_train_inputs, check_val_data
 from ds_clip.evaluate.runner import engine_forward, evaluate, run_on_engine
-from ds_clip.evaluate.settings import (
-    DEFAULT_SYNTHETIC_VAL_SAMPLES,
-    EVAL_BATCH_SIZE,
-    SYNTHETIC,
-    SYNTHETIC_VAL_OFFSET,
-    EvalError,
-    EvalFailed,
-    EvalSettings,
-    Forward,
-    is_table,
-)
-from ds_clip.evaluate.zeroshot import (
-    ClassFolderTask,
-    classify_folders,
-    folder_task,
-    imagenet_tasks,
-    imagenet_zeroshot,
-    zeroshot_classifier,
-)
+from ds_clip.evaluate.settings import EvalError, EvalFailed, EvalSettings, Forward
+from ds_clip.evaluate.zeroshot import folder_task, imagenet_tasks
 
 __all__ = [
-    "ClassFolderTask",
-    "EvalFailed",
-    "check_train_inputs",
-    "check_val_data",
-    "check_zeroshot_folder",
-    "class_folder_samples",
-    "classify_folders",
-    "folder_classes",
-    "folder_task",
-    "imagenet_tasks",
-    "is_table",
-    "load_templates",
-    "DEFAULT_SYNTHETIC_VAL_SAMPLES",
-    "EVAL_BATCH_SIZE",
-    "IMAGENET_METRICS",
-    "RECALL_KS",
     "SHARED_FLAGS",
-    "SYNTHETIC",
-    "SYNTHETIC_VAL_OFFSET",
     "EvalError",
+    "EvalFailed",
     "EvalSettings",
     "Evaluator",
     "Forward",
     "build_parser",
-    "contrastive_val_loss",
+    "check_train_inputs",
+    "check_val_data",
     "engine_forward",
     "evaluate",
-    "format_line",
-    "imagenet_samples",
-    "imagenet_zeroshot",
+    "folder_task",
+    "imagenet_tasks",
     "iter_val_batches",
-    "label_from_caption",
-    "load_zeroshot",
     "main",
-    "report",
-    "retrieval_metrics",
     "run_on_engine",
-    "zeroshot_accuracy",
-    "zeroshot_classifier",
 ]

@@ -28,7 +28,8 @@ import psutil  # a DeepSpeed dependency: finds the rank processes under the laun
 import pytest
 import torch
 
-from ds_clip.checkpoint import CHECKSUM, file_checksum
+from ds_clip.checkpoint import CHECKSUM
+from ds_clip.checkpoint.manifest import file_checksum
 from ds_clip_harness.models import E2E_MODEL
 from tests import shm_files
 

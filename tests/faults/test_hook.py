@@ -49,3 +49,33 @@ def test_unreadable_value_fails_at_install(monkeypatch):
     monkeypatch.setenv(faults.ENV, "nan@x:0")
     with pytest.raises(ValueError, match="KIND@STEP"):
         faults.install(_Run())
+
+
+class _Part:
+    """Stands for the evaluator or the checkpointer: install() only sets its hook."""
+
+    before_read = None
+    save_hook = None
+
+
+def test_eval_and_save_faults_reach_their_own_hooks_only(monkeypatch):
+    """eval-error reaches the evaluator's before_read, kill-in-save the checkpointer's save_hook (at the save's
+    "after_shards" point); a fault of one kind leaves the other hook None."""
+    monkeypatch.setenv(faults.ENV, "eval-error@2:1")
+    run = _Run()
+    run.evaluator, run.checkpointer = _Part(), _Part()
+    faults.install(run)
+    assert run.checkpointer.save_hook is None
+    run.evaluator.before_read(2, 0)  # another rank
+    run.evaluator.before_read(1, 1)  # another step
+    with pytest.raises(OSError, match="unreadable at step 2"):
+        run.evaluator.before_read(2, 1)
+    monkeypatch.setenv(faults.ENV, "kill-in-save@4:1")
+    run = _Run()
+    run.evaluator, run.checkpointer = _Part(), _Part()
+    faults.install(run)
+    assert run.evaluator.before_read is None and run.checkpointer.save_hook is not None
+    run.checkpointer.save_hook(
+        "after_shards", 4, 0
+    )  # another rank: no kill (the real kill is test_faults.py's)
+    run.checkpointer.save_hook("after_shards", 3, 1)  # another step
