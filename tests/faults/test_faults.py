@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,10 +30,9 @@ import torch
 from ds_clip.checkpoint import CHECKSUM
 from ds_clip.checkpoint.manifest import file_checksum
 from ds_clip_harness.models import E2E_MODEL
-from tests import shm_files
+from tests import launch, shm_files
+from tests.launch import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
-VENV_BIN = Path(sys.executable).parent
 M, K, W = 4, 2, 2
 # Bound on any one launch: a healthy run here takes ~25 s; a hang is a failure, not a wait.
 TIMEOUT_S = 120
@@ -74,27 +72,11 @@ def _shm_op_built() -> None:
     assert p.returncode == 0, p.stderr[-3000:]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = launch.free_port
 
 
 def _env(fault: str | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = str(ROOT)
-    env["PYTHONUNBUFFERED"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
-    # DeepSpeed JIT-builds its CPU shared-memory comm op into ~/.cache/torch_extensions, keyed by op name
-    # only: two checkouts with different venvs on one machine rebuild it back and forth (~60 s each, seen
-    # here), which a bounded launch cannot absorb. Keep this venv's build next to the venv.
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(VENV_BIN.parent / "torch_extensions"))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DS_CLIP_INJECT_FAULT"):
-        env.pop(k, None)
-    if fault:
-        env["DS_CLIP_INJECT_FAULT"] = fault
-    return env
+    return launch.environment(**({"DS_CLIP_INJECT_FAULT": fault} if fault else {}))
 
 
 def _args(model: str, logs: Path, name: str, *extra: str, steps: int = 6) -> list[str]:
@@ -111,29 +93,13 @@ def _killpg(pid: int) -> None:
 
 
 def _deepspeed_cmd(args: list[str], port: int | None = None) -> list[str]:
-    # A free port per launch: other jobs on this machine may hold DeepSpeed's default 29500.
-    port_s = str(port or _free_port())
-    return ["deepspeed", "--num_gpus", str(W), "--master_port", port_s, "--module", "ds_clip.train", *args]
+    return launch.deepspeed(*args, ranks=W, port=port)
 
 
 def _deepspeed(args: list[str], fault: str | None = None, port: int | None = None) -> Ran:
     """The real launcher, in its own session so that a hang can be killed with all its ranks."""
-    proc = subprocess.Popen(
-        _deepspeed_cmd(args, port),
-        cwd=ROOT,
-        env=_env(fault),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        _killpg(proc.pid)
-        out, err = proc.communicate()
-        pytest.fail(f"deepspeed launcher did not end within {TIMEOUT_S} s:\n{(out + err)[-4000:]}")
-    return Ran(proc.returncode, out, err)
+    done = launch.run(_deepspeed_cmd(args, port), env=_env(fault), timeout=TIMEOUT_S)
+    return Ran(done.returncode, done.stdout, done.stderr)
 
 
 def _ranks_by_hand(args: list[str], tmp: Path, fault: str | None = None) -> list[Ran]:

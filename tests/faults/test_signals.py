@@ -34,6 +34,7 @@ from tests.faults.test_faults import (
     W,
     _args,
     _assert_same_weights,
+    _deepspeed_cmd,
     _env,
     _free_port,
     _killpg,
@@ -151,19 +152,6 @@ def _resume_and_compare(model: str, logs: Path, name: str, reference: Path, step
     run = logs / name
     assert _losses(run) == _losses(reference)
     _assert_same_weights(_weights(run, STEPS), _weights(reference, STEPS))
-
-
-def _deepspeed_cmd(args: list[str]) -> list[str]:
-    return [
-        "deepspeed",
-        "--num_gpus",
-        str(W),
-        "--master_port",
-        str(_free_port()),
-        "--module",
-        "ds_clip.train",
-        *args,
-    ]
 
 
 # ----------------------------------------------------------------------------------------------- deepspeed
