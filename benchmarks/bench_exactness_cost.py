@@ -29,7 +29,16 @@ steps taken seconds apart on a machine whose load drifts. Each k gets its own pr
 one group, the cached k = 2 step that followed a plain k = 4 or 8 step took 1.5 s longer in some rounds than
 the same step alone (3.9 against 2.35 s, ViT-B-32 at 64 px, one process; the cause was not pinned down), which
 is not what a run of one k meets. The first round is a warm-up and not timed. Time per step is the
-largest over ranks (a step is as slow as its slowest rank); medians over ``--steps`` rounds.
+largest over ranks (a step is as slow as its slowest rank); medians over ``--steps`` rounds. The ratio is the
+median of the rounds' own ratios (each round's cached step over the plain step taken right beside it), not the
+ratio of the two medians: on a virtual machine the same step varies by +-10 % from round to round, and a ratio of
+medians drawn from different rounds moved by up to 0.1 between two runs of the same command.
+
+Where the time goes (``--phases``): one more step of each side under torch.profiler, split by the cached step's
+own ranges (``ds_clip.step.embed``: the k forwards, micro-batch 0's with its graph; ``.loss``; ``.push_back``:
+k backwards and k - 1 recomputed forwards; ``.optimizer``) and the plain loop's (``plain.forward``,
+``plain.loss_backward``, ``plain.optimizer``). The push-back should cost one plain backward plus k - 1 plain
+forward-and-backward pairs; anything above that is overhead of the step's own.
 """
 
 from __future__ import annotations
@@ -170,10 +179,12 @@ def _group(s: CostSettings) -> list[dict]:
     rows = []
     for k in ks:
         c, p = statistics.median(times[("cached", k)]), statistics.median(times[("plain", k)])
+        paired = statistics.median(a / b for a, b in zip(times[("cached", k)], times[("plain", k)]))
         rows.append(
             {
                 "model": name, "W": world, "m": m, "k": k, "N": world * k * m, "zero": stage,
-                "preset": ds.preset, "cached_s": c, "plain_s": p, "ratio": c / p, "bound": bound(k),
+                "preset": ds.preset, "cached_s": c, "plain_s": p, "ratio": paired, "ratio_of_medians": c / p,
+                "bound": bound(k),
                 "cached_all_s": times[("cached", k)], "plain_all_s": times[("plain", k)],
                 **({"phases_s": phases[k]} if phases else {}),
             }
