@@ -417,8 +417,8 @@ def _run_one_engine(
     from deepspeed import comm as ds_comm
 
     from ds_clip.config import parse_settings
-    from ds_clip.engine import build_engine, build_model_bundle, resolve_run
-    from ds_clip.step import cached_step, input_dtype
+    from ds_clip.run import build_run_step
+    from ds_clip.step import input_dtype
     from ds_clip_harness.runs import FLAT_SCHEDULE_STEPS, RunSpec, generated_pairs, train_argv
 
     name = resolve_model(model_name, settings.image_size)
@@ -435,24 +435,21 @@ def _run_one_engine(
         coalesce=coalesce,
         seed=settings.seed,
     )
-    # The engine ds-clip-train builds (ds_clip.engine) from the shipped preset of this stage and precision
+    # The engine and step ds-clip-train builds (ds_clip.run) from the shipped preset of this stage and precision
     # (train_argv names zero<stage>_<precision>, which is also the default preset where engine_preset chose it),
     # with open_clip's AdamW settings for ViTs.
     with tempfile.TemporaryDirectory() as preset_dir:
         s = parse_settings([*train_argv(spec, preset_dir), "--lr", "1e-5", "--wd", "0.1", "--eps", "1e-6"])
-        bundle = build_model_bundle(s.model, seed=s.data.seed)
-        num_params = sum(p.numel() for p in bundle.model.parameters())
-        geometry, ds = resolve_run(s, world)
-        built = build_engine(
-            bundle, geometry, ds, model=s.model, optim=s.optim, loss=s.loss, seed=s.data.seed, rank=rank,
-            total_steps=FLAT_SCHEDULE_STEPS,
-        )  # fmt: skip
-    engine = built.engine
+        trained = build_run_step(s, world_size=world, rank=rank, total_steps=FLAT_SCHEDULE_STEPS)
+    bundle, engine = trained.bundle, trained.engine
+    # ZeRO-3 has partitioned the parameters by now: ds_numel is each one's whole size.
+    num_params = sum(getattr(p, "ds_numel", p.numel()) for p in bundle.model.parameters())
     engine.train()
     comms = ds_comm.comms_logger
     cuda = settings.device.startswith("cuda")
     hook = engine.module.register_forward_pre_hook(_end_loss_phase)
-    loss_fn = CountingLoss(built.loss_fn)
+    # The loss counted (its collectives, apart from DeepSpeed's); the step is otherwise ds-clip-train's.
+    loss_fn = trained.built.loss_fn = CountingLoss(trained.built.loss_fn)
 
     # Time the optimizer apart: it runs once per step whatever k is.
     inner_step, opt_time = engine.step, [0.0]
@@ -516,7 +513,7 @@ def _run_one_engine(
         if mode == "plain":
             loss = plain_step()
         else:
-            loss = float(cached_step(engine, pool[:k], loss_fn).loss)
+            loss = float(trained.train(pool[:k]).loss)
         if cuda:
             torch.cuda.synchronize()
         step_s = time.perf_counter() - t0

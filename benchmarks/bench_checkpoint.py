@@ -57,23 +57,17 @@ def main(argv: list[str] | None = None) -> int:
     from ds_clip import checkpoint
     from ds_clip.checkpoint.load import install_safe_loading
     from ds_clip.config import parse_settings
-    from ds_clip.engine import build_engine, build_model_bundle, resolve_run
-    from ds_clip.step import cached_step
+    from ds_clip.run import build_run_step
     from ds_clip_harness.runs import RunSpec, step_micro_batches
 
     flags = ["--model", args.model, "--batch-size", "2", "--accum-freq", "1", "--zero-stage", "0",
              "--workers", "0", "--warmup", "0", "--force-image-size", str(args.force_image_size)]  # fmt: skip
     s = parse_settings(flags)
-    bundle = build_model_bundle(s.model, seed=s.data.seed)
-    geometry, ds = resolve_run(s, 1)
-    built = build_engine(
-        bundle, geometry, ds, model=s.model, optim=s.optim, loss=s.loss, seed=s.data.seed, rank=0,
-        total_steps=10**6,
-    )  # fmt: skip
-    engine = built.engine
+    trained = build_run_step(s, world_size=1, rank=0, total_steps=10**6)
+    engine = trained.engine
     spec = RunSpec(model=args.model, micro_batch_size=2, accum_freq=1, steps=1)
-    batches, _ = step_micro_batches(spec, bundle.model_cfg, 0, 0, 1)  # one step: Adam's moments exist
-    cached_step(engine, batches, built.loss_fn)
+    batches, _ = step_micro_batches(spec, trained.bundle.model_cfg, 0, 0, 1)  # one step: Adam's moments exist
+    trained.train(batches)
     install_safe_loading(engine)
     params = sum(p.numel() for p in engine.module.parameters())
 

@@ -88,8 +88,7 @@ def _ours_entry(payload: dict) -> dict[str, Any]:
     import torch
 
     from ds_clip.config import parse_settings
-    from ds_clip.engine import build_engine, build_model_bundle, resolve_run
-    from ds_clip.step import cached_step
+    from ds_clip.run import build_run_step
     from ds_clip_harness.runs import generated_pairs
 
     torch.set_num_threads(payload["threads"])
@@ -105,14 +104,8 @@ def _ours_entry(payload: dict) -> dict[str, Any]:
         "--precision",
         payload["precision"],
     ]
-    s = parse_settings(argv)
-    bundle = build_model_bundle(s.model, seed=s.data.seed)
-    geometry, ds = resolve_run(s, 1)
-    built = build_engine(
-        bundle, geometry, ds, model=s.model, optim=s.optim, loss=s.loss, seed=s.data.seed,
-        rank=0, total_steps=10**6,
-    )  # fmt: skip
-    engine = built.engine
+    trained = build_run_step(parse_settings(argv), world_size=1, rank=0, total_steps=10**6)
+    engine, bundle = trained.engine, trained.bundle
     engine.train()
     text = COCA_BENCH_SMALL["text_cfg"]
     size = COCA_BENCH_SMALL["vision_cfg"]["image_size"]
@@ -137,7 +130,7 @@ def _ours_entry(payload: dict) -> dict[str, Any]:
         if step == warmup + steps:
             base = meter.start()
         t = time.perf_counter()
-        result = cached_step(engine, data, built.loss_fn, caption=built.caption_fn)
+        result = trained.train(data, step=step)  # with the caption term, as ds-clip-train trains CoCa
         losses.append(float(result.loss))
         if warmup <= step < warmup + steps:
             times.append(time.perf_counter() - t)

@@ -44,38 +44,31 @@ def _measure_stage(a: dict[str, Any], stage: int) -> dict[str, Any]:
     from ds_clip import distributed
     from ds_clip.config import parse_settings
     from ds_clip.ema import build_ema
-    from ds_clip.engine import build_engine, build_model_bundle, resolve_run
-    from ds_clip.step import cached_step, micro_batch_seed
+    from ds_clip.run import build_run_step
     from ds_clip_harness.runs import RunSpec, step_micro_batches
 
     flags = ["--model", a["model"], "--batch-size", str(a["batch_size"]), "--accum-freq", str(a["accum_freq"]),
-             "--zero-stage", str(stage), "--workers", "0", "--warmup", "0", "--ema-decay", "0.9999"]  # fmt: skip
+             "--zero-stage", str(stage), "--workers", "0", "--warmup", "0"]  # fmt: skip
     if a["force_image_size"]:
         flags += ["--force-image-size", str(a["force_image_size"])]
-    s = parse_settings(flags)
     world = distributed.world_size()
     rank = distributed.rank()
-    geometry, ds = resolve_run(s, world)
-    bundle = build_model_bundle(s.model, seed=s.data.seed)
-    built = build_engine(
-        bundle, geometry, ds, model=s.model, optim=s.optim, loss=s.loss, seed=s.data.seed, rank=rank,
-        total_steps=10**6,
-    )  # fmt: skip
-    engine = built.engine
+    # The step without an EMA, which is built below on its own, so that its memory and time are measured apart.
+    trained = build_run_step(parse_settings(flags), world_size=world, rank=rank, total_steps=10**6)
+    engine, bundle = trained.engine, trained.bundle
     spec = RunSpec(model=a["model"], micro_batch_size=a["batch_size"], accum_freq=a["accum_freq"], steps=1)
     engine.train()
 
     def step(i: int) -> float:
         batches, gids = step_micro_batches(spec, bundle.model_cfg, i, rank, world)
-        seeds = [micro_batch_seed(0, i, g) for g in gids]
         distributed.barrier()
         t = time.perf_counter()
-        cached_step(engine, batches, built.loss_fn, micro_batch_seeds=seeds)
+        trained.train(batches, step=i, micro_batch_ids=gids)
         return time.perf_counter() - t
 
     step(0)  # warm-up (Adam creates its state at the first step)
     rss_before = _rss_mib()
-    ema = build_ema(engine, s.ema)
+    ema = build_ema(engine, parse_settings([*flags, "--ema-decay", "0.9999"]).ema)
     assert ema is not None
     rss_after = _rss_mib()
     step_s, update_s = [], []

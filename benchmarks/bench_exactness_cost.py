@@ -90,7 +90,8 @@ def _group(s: CostSettings) -> list[dict]:
     from benchmarks.bench_accum import resolve_model
     from ds_clip.config import parse_settings
     from ds_clip.engine import build_engine, build_model_bundle, resolve_run
-    from ds_clip.step import cached_step, input_dtype
+    from ds_clip.run import build_step
+    from ds_clip.step import input_dtype
     from ds_clip_harness.runs import FLAT_SCHEDULE_STEPS, generated_pairs
 
     torch.set_num_threads(s.threads)
@@ -102,18 +103,17 @@ def _group(s: CostSettings) -> list[dict]:
     settings = parse_settings(flags)
     geometry, ds = resolve_run(settings, world)
 
-    def engine_of(resolved):
-        bundle = build_model_bundle(settings.model, seed=s.seed)  # same seed: the same initial weights
-        return bundle, build_engine(
-            bundle, geometry, resolved, model=settings.model, optim=settings.optim, loss=settings.loss,
-            seed=s.seed, rank=rank, total_steps=FLAT_SCHEDULE_STEPS,
-        )  # fmt: skip
-
-    bundle, cached = engine_of(ds)
+    # ds-clip-train's step (ds_clip.run), and beside it the same model (same seed: the same initial weights) on
     # DeepSpeed's own accumulation: the same JSON with its managed mode (ds_clip's step engine turns it off).
+    bundle = build_model_bundle(settings.model, seed=s.seed)
+    cached = build_step(settings, bundle, geometry, ds, rank=rank, total_steps=FLAT_SCHEDULE_STEPS)
     plain_json = ds.config
     plain_json["managed_gradient_accumulation"] = True
-    _, plain = engine_of(dataclasses.replace(ds, json_text=json.dumps(plain_json)))
+    plain = build_engine(
+        build_model_bundle(settings.model, seed=s.seed), geometry,
+        dataclasses.replace(ds, json_text=json.dumps(plain_json)), model=settings.model, optim=settings.optim,
+        loss=settings.loss, seed=s.seed, rank=rank, total_steps=FLAT_SCHEDULE_STEPS,
+    )  # fmt: skip
     plain_loss = open_clip.loss.ClipLoss(rank=rank, world_size=world)  # open_clip_train's default loss
     for built in (cached, plain):
         built.engine.train()
@@ -137,7 +137,7 @@ def _group(s: CostSettings) -> list[dict]:
     cuda = str(device).startswith("cuda")
 
     def run_cached(k: int) -> None:
-        cached_step(cached.engine, pool[:k], cached.loss_fn)
+        cached.train(pool[:k])
 
     def run_plain(k: int) -> None:
         engine = plain.engine

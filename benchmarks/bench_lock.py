@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed()
     import ds_clip.step as step_mod
     from ds_clip.config import parse_settings
-    from ds_clip.engine import build_engine, build_model_bundle, resolve_run
+    from ds_clip.run import build_run_step
     from ds_clip_harness.runs import RunSpec, step_micro_batches
 
     flags = ["--model", args.model, "--lock-image", "--batch-size", str(args.batch_size), "--accum-freq",
@@ -53,13 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.force_image_size:
         flags += ["--force-image-size", str(args.force_image_size)]
     s = parse_settings(flags)
-    bundle = build_model_bundle(s.model, seed=s.data.seed)
-    geometry, ds = resolve_run(s, 1)
-    built = build_engine(
-        bundle, geometry, ds, model=s.model, optim=s.optim, loss=s.loss, seed=s.data.seed,
-        rank=0, total_steps=10**6,
-    )  # fmt: skip
-    engine, loss_fn = built.engine, built.loss_fn
+    trained = build_run_step(s, world_size=1, rank=0, total_steps=10**6)  # the step ds-clip-train trains
+    engine, bundle = trained.engine, trained.bundle
     engine.train()
     spec = RunSpec(model=args.model, micro_batch_size=args.batch_size, accum_freq=args.accum_freq, steps=1)
     batches, _ = step_micro_batches(spec, bundle.model_cfg, 0, 0, 1)
@@ -68,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     def run(mode: str) -> float:
         step_mod.frozen_towers = real if mode == "skip" else (lambda m: (False, False))
         t = time.perf_counter()
-        step_mod.cached_step(engine, batches, loss_fn)
+        trained.train(batches)
         return time.perf_counter() - t
 
     def image_forward() -> float:

@@ -28,6 +28,8 @@ _EXPORTS = {
     "clamp_logit_scale": "ds_clip.clamp",
     "WeightEma": "ds_clip.ema",
     "EmaSchedule": "ds_clip.ema",
+    "build_run_step": "ds_clip.run",
+    "RunStep": "ds_clip.run",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -3,7 +3,8 @@ batch, train one step (``ds_clip.step``), then let each component act on its own
 logs (``metrics.StepMeter``), the checkpointer saves (``checkpoint.Checkpointer``), the evaluator evaluates
 (``evaluate.Evaluator``), the skip policy counts skipped updates, the stop request saves and exits.
 
-Shape of a run: settings -> resolved DeepSpeed JSON -> model, data, engine -> resume -> loop -> step.
+Shape of a run: settings -> resolved DeepSpeed JSON -> model, data -> engine and step (``ds_clip.run``, the wiring
+the equivalence harness and the benchmarks share) -> resume -> loop.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from ds_clip import checkpoint, distributed, ema, evaluate, faults, remote, weig
 from ds_clip.checkpoint import Checkpointer
 from ds_clip.checkpoint.layout import param_shapes
 from ds_clip.checkpoint.save import check_output_space, check_shared_run_folder, check_writable
-from ds_clip.clamp import clamp_logit_scale
 from ds_clip.config import (
     DEFAULT_SYNTHETIC_SAMPLES,
     DataSettings,
@@ -36,7 +36,7 @@ from ds_clip.config import (
 from ds_clip.data import StepBatch, build_train_data
 from ds_clip.distributed import DistInfo, init_distributed
 from ds_clip.ds_config import write_run_files
-from ds_clip.engine import build_engine, build_model_bundle, resolve_run
+from ds_clip.engine import build_model_bundle, resolve_run
 from ds_clip.errors import RunError
 from ds_clip.evaluate import Evaluator
 from ds_clip.metrics import MetricsWriter, StepMeter
@@ -44,9 +44,9 @@ from ds_clip.model import ModelBundle, check_tokenizer_fits
 from ds_clip.model_card import COMMAND_FILE, launch_command
 from ds_clip.preemption import StopRequest
 from ds_clip.presets import precision_mapping_text
+from ds_clip.run import build_step
 from ds_clip.schedule import RunLength, warmup_warning
-from ds_clip.step import StepResult, cached_step, micro_batch_seed
-from ds_clip.step_checks import UntrainedOutputError
+from ds_clip.step import StepResult
 from ds_clip.versions import versions_line
 
 logger = logging.getLogger("ds_clip")
@@ -164,16 +164,15 @@ class Trainer:
         steps_per_epoch = self.data.steps_per_epoch
         self.length = RunLength.of(s.optim, steps_per_epoch)
         self.total_steps = self.length.total_steps
-        built = build_engine(
-            bundle, geometry, ds, model=s.model, optim=s.optim, loss=s.loss, seed=s.data.seed, rank=info.rank,
-            total_steps=self.total_steps, steps_per_epoch=steps_per_epoch,
+        # The engine, loss and weight EMA (--ema-decay, beside the fp32 masters; saved with and resumed from every
+        # checkpoint), and the step that trains them: the one wiring the harness and the benchmarks use too.
+        self.run_step = build_step(
+            s, bundle, geometry, ds, rank=info.rank, total_steps=self.total_steps, steps_per_epoch=steps_per_epoch,
+            image_normalize=self.data.image_normalize,
         )  # fmt: skip
-        self.engine, self.loss_fn = built.engine, built.loss_fn
+        self.engine, self.ema = self.run_step.engine, self.run_step.ema
         if info.is_main and ds.start_keys:  # the "auto" keys filled from the model and the run's length
-            write_run_files(run_dir, settings_to_dict(s), ds, built.ds_config)
-        self.caption_fn, self.teacher = built.caption_fn, built.teacher
-        # The weight EMA (--ema-decay), beside the fp32 masters; saved with and resumed from every checkpoint.
-        self.ema = ema.build_ema(self.engine, s.ema)
+            write_run_files(run_dir, settings_to_dict(s), ds, self.run_step.built.ds_config)
 
         self.checkpointer = Checkpointer(
             self.engine, run_dir, self.data, s.checkpoint, geometry=geometry, settings=settings_to_dict(s),
@@ -289,24 +288,11 @@ class Trainer:
         return evaluate.EvalSettings.from_settings(self.s, image_px)
 
     def _step(self, batch: StepBatch, step: int, attempt: int) -> StepResult:
-        """One optimizer step; then the clamp open_clip applies after every applied update."""
-        rank = self.info.rank
-        seeds = [micro_batch_seed(self.s.data.seed, step, g) for g in batch.micro_batch_ids]
+        """One optimizer step (``RunStep.train``: the cached step, then open_clip's clamp)."""
         micro_batches = batch.micro_batches
         if self.before_step is not None:
-            micro_batches = self.before_step(micro_batches, attempt, rank)
-        try:
-            result = cached_step(
-                self.engine, micro_batches, self.loss_fn, micro_batch_seeds=seeds, caption=self.caption_fn,
-                teacher=self.teacher, image_normalize=self.data.image_normalize,
-            )  # fmt: skip
-        except UntrainedOutputError as exc:  # same on every rank: the first step's forward, before any update
-            raise UntrainedOutputError(
-                str(exc).replace("--model:", f"--model {self.s.model.model}:", 1)
-            ) from None
-        if not result.skipped:
-            clamp_logit_scale(self.engine)
-        return result
+            micro_batches = self.before_step(micro_batches, attempt, self.info.rank)
+        return self.run_step.train(micro_batches, step=step, micro_batch_ids=batch.micro_batch_ids)
 
     def _log(self, step: int, epoch: int, writer: MetricsWriter | None) -> None:
         row = self.meter.row(
@@ -363,8 +349,7 @@ class Trainer:
                     if not result.skipped:
                         step += 1
                         # After the update was applied: a skipped one does not decay the average.
-                        if self.ema is not None:
-                            self.ema.maybe_update(step)
+                        self.run_step.after_update(step)
                         if self.meter.should_log(step):
                             self._log(step, epoch, writer)
                         self.checkpointer.maybe_save(step, total)

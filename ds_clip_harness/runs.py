@@ -1,7 +1,8 @@
 """Train the same steps under different (W ranks, k micro-batches) splits: the runs the equivalence tests,
-the equivalence report, the GPU check and the benchmarks share. Every run builds its engine with
-``ds_clip.engine`` from ``ds-clip-train`` flags, so what is proven is what the trainer builds from the shipped
-presets: DeepSpeed's config-built AdamW (CPU Adam under offload), the LR schedule, the resolved JSON.
+the equivalence report, the GPU check and the benchmarks share. Every run builds its model, engine and step with
+``ds_clip.run`` from ``ds-clip-train`` flags, so what is proven is what the trainer builds and trains from the
+shipped presets: DeepSpeed's config-built AdamW (CPU Adam under offload), the LR schedule, the resolved JSON, the
+cached step with its seeds and the logit-scale clamp.
 
 Generated data is assigned by *global sample index*: optimizer step s trains samples
 ``s·N + [0, N)`` with N = W·k·m, and global micro-batch g (rank r, micro-batch j, g = r·k + j) holds
@@ -28,7 +29,6 @@ import torch
 
 from ds_clip import distributed
 from ds_clip.loss import LossSpec
-from ds_clip.step import micro_batch_seed
 
 
 @dataclass
@@ -313,26 +313,20 @@ def full_masters(engine) -> dict[str, torch.Tensor]:
 def run_in_group(spec: RunSpec) -> RunResult:
     """Train ``spec`` on every rank of the current process group; every rank returns the result.
 
-    The engine and loss are ``ds_clip.engine.build_engine``'s from the flags of ``train_argv(spec)``."""
+    The model, engine, loss and step are ``ds_clip.run.build_run_step``'s from the flags of ``train_argv(spec)``:
+    the step ``ds-clip-train`` trains (the cached step, then open_clip's logit-scale clamp, then the weight EMA)."""
     import torch.distributed as dist
 
     from ds_clip.config import parse_settings
-    from ds_clip.ema import EmaSchedule, build_ema
-    from ds_clip.engine import build_engine, build_model_bundle, resolve_run
-    from ds_clip.step import cached_step
+    from ds_clip.ema import EmaSchedule
+    from ds_clip.run import build_run_step
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     with tempfile.TemporaryDirectory() as preset_dir:
         s = parse_settings(train_argv(spec, preset_dir))
-        geometry, ds = resolve_run(s, world_size)
-        bundle = build_model_bundle(s.model, seed=s.data.seed)
-        built = build_engine(
-            bundle, geometry, ds, model=s.model, optim=s.optim, loss=s.loss, seed=s.data.seed, rank=rank,
-            total_steps=FLAT_SCHEDULE_STEPS,
-        )  # fmt: skip
-    engine, loss_fn, teacher = built.engine, built.loss_fn, built.teacher
+        run = build_run_step(s, world_size=world_size, rank=rank, total_steps=FLAT_SCHEDULE_STEPS)
+    engine, ema, bundle = run.engine, run.ema, run.bundle
     probe = _GradProbe(engine) if spec.capture_grads else None
-    ema = build_ema(engine, s.ema)
     full_params_at_start = full_masters(engine) if ema is not None else {}
     schedule = EmaSchedule.from_settings(s.ema)
     reference: dict[str, torch.Tensor] | None = None
@@ -346,13 +340,11 @@ def run_in_group(spec: RunSpec) -> RunResult:
         comms = ds_comm.comms_logger
     for step in range(spec.steps):
         batches, gids = step_micro_batches(spec, bundle.model_cfg, step, rank, world_size)
-        seeds = [micro_batch_seed(spec.seed, step, g) for g in gids]
         if spec.nan_at == (step, rank):
             batches[0] = (torch.full_like(batches[0][0], float("nan")), batches[0][1])
         before = _op_counts(comms) if comms is not None else None
-        res = cached_step(
-            engine, batches, loss_fn, micro_batch_seeds=seeds, caption=built.caption_fn, teacher=teacher
-        )
+        # Seeded from (seed, step, g) as the trainer seeds its micro-batches; this loop's step counts batches.
+        res = run.train(batches, step=step, micro_batch_ids=gids)
         if comms is not None:
             after = _op_counts(comms)
             per_step_ops.append(
@@ -365,7 +357,7 @@ def run_in_group(spec: RunSpec) -> RunResult:
         skipped.append(res.skipped)
         if not res.skipped:
             applied += 1
-            if ema is not None and schedule is not None and ema.maybe_update(applied):
+            if run.after_update(applied) and schedule is not None:
                 # The rule on whole tensors, in one place: what the sharded average must equal.
                 masters = full_masters(engine)
                 weight = 1.0 - schedule.decay_at(applied)

@@ -3,10 +3,10 @@
     python scripts/gpu_check_capacity.py mfu --out-dir DIR       # DIR/mfu.json: ViT-B-16, bf16, k = 8, largest m
     python scripts/gpu_check_capacity.py largest --out-dir DIR   # DIR/largest.json: ViT-B-16, tiled loss
 
-Both build the engine ds-clip-train builds (ds_clip.config.parse_settings with the user's defaults and
-the flags named below -> ds_clip.engine.build_engine) in one process (a world of one), and train with
-ds_clip.step.cached_step on pairs held in pinned host memory (the data offload: only the micro-batch
-being embedded is on the device). Every timed step is wall time between two CUDA synchronisations.
+Both build the engine and step ds-clip-train builds (ds_clip.config.parse_settings with the user's defaults
+and the flags named below -> ds_clip.run.build_run_step) in one process (a world of one), and train with its
+step (ds_clip.step.cached_step, then the logit-scale clamp) on pairs held in pinned host memory (the data
+offload: only the micro-batch being embedded is on the device). Every timed step is wall time between two CUDA synchronisations.
 
 * mfu: ``--precision bf16 --accum-freq 8``. m doubles from ``--m-start`` while a step fits in device
   memory (an out-of-memory error ends the search) and ``--m-max`` is not passed;
@@ -68,18 +68,13 @@ class Bench:
     def __init__(self, argv: list[str]) -> None:
         from ds_clip.config import parse_settings
         from ds_clip.distributed import device, init_distributed
-        from ds_clip.engine import build_engine, build_model_bundle, resolve_run
+        from ds_clip.run import build_run_step
         from ds_clip.step import input_dtype
 
         self.settings = s = parse_settings(argv)
         info = init_distributed()
-        self.bundle = build_model_bundle(s.model, seed=s.data.seed)
-        geometry, ds = resolve_run(s, info.world_size)
-        built = build_engine(
-            self.bundle, geometry, ds, model=s.model, optim=s.optim, loss=s.loss, seed=s.data.seed,
-            rank=info.rank, total_steps=10**6,
-        )  # fmt: skip
-        self.engine, self.loss_fn, self.ds_json = built.engine, built.loss_fn, built.ds_config
+        self.run = build_run_step(s, world_size=info.world_size, rank=info.rank, total_steps=10**6)
+        self.bundle, self.engine, self.ds_json = self.run.bundle, self.run.engine, self.run.built.ds_config
         self.engine.train()
         self.device = device()
         self.dtype = input_dtype(self.engine)
@@ -103,15 +98,10 @@ class Bench:
 
     def step(self, k: int) -> float:
         """One optimizer step on k micro-batches (cycling through the pool); its wall time in seconds."""
-        from ds_clip.clamp import clamp_logit_scale
-        from ds_clip.step import cached_step
-
         micro_batches = [self.pool[j % len(self.pool)] for j in range(k)]
         _sync(self.device)
         t0 = time.perf_counter()
-        result = cached_step(self.engine, micro_batches, self.loss_fn)
-        if not result.skipped:
-            clamp_logit_scale(self.engine)
+        self.run.train(micro_batches)  # ds-clip-train's step: the cached step, then the logit-scale clamp
         _sync(self.device)
         return time.perf_counter() - t0
 
