@@ -179,7 +179,7 @@ def bench_config_dir() -> Path:
     """Write the extra configs (bench-small) into a folder and register it with open_clip."""
     import open_clip
 
-    import ds_clip.model  # noqa: F401  (registers the built-in ds-clip-* configs)
+    import ds_clip.models.model  # noqa: F401  (registers the built-in ds-clip-* configs)
 
     root = Path(tempfile.gettempdir()) / f"ds_clip_bench_models_{os.getuid()}"
     root.mkdir(parents=True, exist_ok=True)
@@ -402,7 +402,7 @@ def engine_preset(
     if stage is not None:
         return stage, f"zero{stage}_{precision}"
     from ds_clip.config import parse_settings
-    from ds_clip.ds_config import default_preset, load_preset
+    from ds_clip.ds_config.resolve import default_preset, load_preset
 
     flags = ["--precision", precision, "--coalesce-grad-reduction", coalesce]
     name, _ = default_preset(parse_settings(flags).deepspeed_request(), world_size)
@@ -417,8 +417,8 @@ def _run_one_engine(
     from deepspeed import comm as ds_comm
 
     from ds_clip.config import parse_settings
-    from ds_clip.run import build_run_step
-    from ds_clip.step import input_dtype
+    from ds_clip.step.cached import input_dtype
+    from ds_clip.training.wiring import build_run_step
     from ds_clip_harness.runs import FLAT_SCHEDULE_STEPS, RunSpec, generated_pairs, train_argv
 
     name = resolve_model(model_name, settings.image_size)
@@ -435,7 +435,7 @@ def _run_one_engine(
         coalesce=coalesce,
         seed=settings.seed,
     )
-    # The engine and step ds-clip-train builds (ds_clip.run) from the shipped preset of this stage and precision
+    # The engine and step ds-clip-train builds (ds_clip.training.wiring) from the shipped preset of this stage and precision
     # (train_argv names zero<stage>_<precision>, which is also the default preset where engine_preset chose it),
     # with open_clip's AdamW settings for ViTs.
     with tempfile.TemporaryDirectory() as preset_dir:

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from ds_clip import checkpoint
     from ds_clip.checkpoint.load import install_safe_loading
     from ds_clip.config import parse_settings
-    from ds_clip.run import build_run_step
+    from ds_clip.training.wiring import build_run_step
     from ds_clip_harness.runs import RunSpec, step_micro_batches
 
     flags = ["--model", args.model, "--batch-size", "2", "--accum-freq", "1", "--zero-stage", "0",

@@ -10,7 +10,7 @@ open_clip's 49408-token vocabulary, 64 px images, 32-token captions) at the same
 each k in a fresh process, alternating ours and open_clip's:
 
 * ds_clip: the engine and the CoCa objective ``ds-clip-train`` builds from its defaults
-  (``ds_clip.engine.build_engine`` with ``--model coca-bench-small --batch-size m --accum-freq k``), one
+  (``ds_clip.training.engine.build_engine`` with ``--model coca-bench-small --batch-size m --accum-freq k``), one
   ``cached_step`` per optimizer step on generated pairs with captions of different lengths.
 * open_clip: its own trainer, ``open_clip_train --dataset-type synthetic --accum-freq k`` (it picks
   ``CoCaLoss`` because the model name contains "coca"), through ``benchmarks/bench_accum.py``'s
@@ -88,7 +88,7 @@ def _ours_entry(payload: dict) -> dict[str, Any]:
     import torch
 
     from ds_clip.config import parse_settings
-    from ds_clip.run import build_run_step
+    from ds_clip.training.wiring import build_run_step
     from ds_clip_harness.runs import generated_pairs
 
     torch.set_num_threads(payload["threads"])

@@ -5,7 +5,7 @@ to the same run without a teacher.
     python benchmarks/bench_distill.py --json benchmarks/results/raw/distill_cpu.json     # what docs/benchmarks.md shows
     python benchmarks/bench_distill.py --teacher student-size --json benchmarks/results/raw/distill_cpu_same_size.json
 
-Each measurement is one ds-clip-train run (the real trainer, ``ds_clip.trainer.Trainer``, one rank, no
+Each measurement is one ds-clip-train run (the real trainer, ``ds_clip.training.trainer.Trainer``, one rank, no
 launcher) in a fresh process with ds-clip-train's defaults (ds-clip-tiny, m = 8, ZeRO-0 fp32, synthetic data)
 plus ``--accum-freq`` (default 4) and ``--max-steps``; "teacher" runs add ``--distill-model`` with a teacher
 of the student's image size and tokenizer, random weights saved as an open_clip folder (the cost does not
@@ -49,7 +49,7 @@ def _child(payload: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from ds_clip.config import parse_settings
-    from ds_clip.trainer import Trainer
+    from ds_clip.training.trainer import Trainer
 
     torch.set_num_threads(payload["threads"])
     trainer = Trainer(parse_settings(payload["argv"]))
@@ -98,7 +98,7 @@ def _teacher_cfg(kind: str) -> dict[str, Any]:
     student's own ds-clip-tiny config (the cost of the mechanism: one no-grad forward of a same-size model)."""
     if kind == "bench-small":
         return BENCH_SMALL
-    from ds_clip.model import load_model_cfg
+    from ds_clip.models.model import load_model_cfg
 
     return load_model_cfg("ds-clip-tiny")
 

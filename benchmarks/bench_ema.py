@@ -5,7 +5,7 @@ defaults (fp32, the shipped zero{0..3}_fp32 presets, AdamW), on W ranks of this 
     python benchmarks/bench_ema.py --model ViT-B-32 --force-image-size 64 --batch-size 4 --stages 0 1 2 3 \\
         --json benchmarks/results/raw/ema_cpu_vitb32.json
 
-One process group of W ranks over gloo; for each stage one engine (built by ds_clip.engine from ds-clip-train
+One process group of W ranks over gloo; for each stage one engine (built by ds_clip.training.engine from ds-clip-train
 flags, as the trainer builds it) trains ``--steps`` cached steps on generated pairs; after each step the EMA
 update (``WeightEma.maybe_update``: one ``torch._foreach_lerp_`` over this rank's master partitions, no
 collective) is timed on its own, and so is one evaluation swap (``swapped_in``: masters saved, the EMA copied in,
@@ -43,8 +43,8 @@ def _measure_stage(a: dict[str, Any], stage: int) -> dict[str, Any]:
 
     from ds_clip import distributed
     from ds_clip.config import parse_settings
-    from ds_clip.ema import build_ema
-    from ds_clip.run import build_run_step
+    from ds_clip.step.ema import build_ema
+    from ds_clip.training.wiring import build_run_step
     from ds_clip_harness.runs import RunSpec, step_micro_batches
 
     flags = ["--model", a["model"], "--batch-size", str(a["batch_size"]), "--accum-freq", str(a["accum_freq"]),

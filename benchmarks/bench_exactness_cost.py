@@ -89,9 +89,9 @@ def _group(s: CostSettings) -> list[dict]:
 
     from benchmarks.bench_accum import resolve_model
     from ds_clip.config import parse_settings
-    from ds_clip.engine import build_engine, build_model_bundle, resolve_run
-    from ds_clip.run import build_step
-    from ds_clip.step import input_dtype
+    from ds_clip.step.cached import input_dtype
+    from ds_clip.training.engine import build_engine, build_model_bundle, resolve_run
+    from ds_clip.training.wiring import build_step
     from ds_clip_harness.runs import FLAT_SCHEDULE_STEPS, generated_pairs
 
     torch.set_num_threads(s.threads)
@@ -103,7 +103,7 @@ def _group(s: CostSettings) -> list[dict]:
     settings = parse_settings(flags)
     geometry, ds = resolve_run(settings, world)
 
-    # ds-clip-train's step (ds_clip.run), and beside it the same model (same seed: the same initial weights) on
+    # ds-clip-train's step (ds_clip.training.wiring), and beside it the same model (same seed: the same initial weights) on
     # DeepSpeed's own accumulation: the same JSON with its managed mode (ds_clip's step engine turns it off).
     bundle = build_model_bundle(settings.model, seed=s.seed)
     cached = build_step(settings, bundle, geometry, ds, rank=rank, total_steps=FLAT_SCHEDULE_STEPS)

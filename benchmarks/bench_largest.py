@@ -41,7 +41,7 @@ How it measures, and why that way:
   no extra memory). Both use their own synthetic data (``--dataset-type synthetic``).
 * The timed step is the last of ``--steps`` (default 2: the first pays one-time costs such as creating
   the optimizer state). ds_clip: the trainer's own logged step time (``step_time_s`` of its
-  ``metrics.csv``, ds_clip/metrics.py, ``--log-every-n-steps 1``): ``Trainer._step``, i.e. the cached
+  ``metrics.csv``, ds_clip/training/metrics.py, ``--log-every-n-steps 1``): ``Trainer._step``, i.e. the cached
   step, the optimizer step and the temperature clamp (``ds_clip.train.main`` runs in the trial, with
   ``Trainer._step`` wrapped only to tell the watchdog when a step begins and ends). open_clip: from
   the moment the step's k micro-batches are loaded to the return of ``optimizer.step`` (the clamp
@@ -280,7 +280,7 @@ def child_main(payload_path: str) -> int:
 def _child_ds_clip(payload: dict, progress: _Progress) -> int:
     # ds-clip-train's own entry point; Trainer._step is wrapped only to report when a step begins and ends
     # (the watchdog's time cap); the timed figure is the trainer's own logged step time.
-    import ds_clip.trainer as trainer_mod
+    import ds_clip.training.trainer as trainer_mod
     from ds_clip.train import main
 
     inner = trainer_mod.Trainer._step

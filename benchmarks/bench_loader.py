@@ -148,7 +148,7 @@ def psnr_fast_vs_exact(folder: str, preprocess, count: int) -> dict:
     from ds_clip.data.augment import SeededTransform
     from ds_clip.data.decode import FastCrop
     from ds_clip.data.wds import SkipCounter, iter_shard
-    from ds_clip.step import normalize_images
+    from ds_clip.step.cached import normalize_images
 
     fast = FastCrop.of(preprocess)
     exact, quick = SeededTransform(preprocess, 0), SeededTransform(fast, 0)

@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     init_distributed()
-    import ds_clip.step as step_mod
+    import ds_clip.step.cached as step_mod
     from ds_clip.config import parse_settings
-    from ds_clip.run import build_run_step
+    from ds_clip.training.wiring import build_run_step
     from ds_clip_harness.runs import RunSpec, step_micro_batches
 
     flags = ["--model", args.model, "--lock-image", "--batch-size", str(args.batch_size), "--accum-freq",

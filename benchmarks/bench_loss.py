@@ -1,4 +1,4 @@
-"""Dense (open_clip ClipLoss / SigLipLoss) vs tiled (ds_clip.tiled_loss) contrastive losses: time of one
+"""Dense (open_clip ClipLoss / SigLipLoss) vs tiled (ds_clip.step.tiled_loss) contrastive losses: time of one
 forward+backward and peak memory, one process, d = 512.
 
 Run from the repository root (about 10 minutes on 2 CPU cores; the time box then skips SigLIP at 64k,
@@ -59,7 +59,7 @@ def _build(loss: str, impl: str, n: int, dim: int, tile: int, device: str, clip_
     import torch.nn.functional as F
     from open_clip.loss import ClipLoss, SigLipLoss
 
-    from ds_clip.tiled_loss import clip_loss_tiled, siglip_loss_chunked
+    from ds_clip.step.tiled_loss import clip_loss_tiled, siglip_loss_chunked
 
     gen = torch.Generator(device=device).manual_seed(0)
     image = F.normalize(torch.randn(n, dim, generator=gen, device=device), dim=1).requires_grad_()

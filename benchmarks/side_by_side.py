@@ -186,7 +186,7 @@ def patch_cpu_ddp() -> None:
     a CPU module (open_clip_train passes device_ids=[cpu], which torch refuses); nothing else changes."""
     import torch
 
-    import ds_clip.model  # noqa: F401  (registers ds_clip's built-in model configs with open_clip)
+    import ds_clip.models.model  # noqa: F401  (registers ds_clip's built-in model configs with open_clip)
 
     ddp = torch.nn.parallel.DistributedDataParallel
 

@@ -19,17 +19,17 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it (one definition each; these are re-exports).
 _EXPORTS = {
-    "cached_step": "ds_clip.step",
-    "StepResult": "ds_clip.step",
-    "ContrastiveLoss": "ds_clip.loss",
-    "LossSpec": "ds_clip.loss",
-    "step_engine_config": "ds_clip.ds_config",
-    "prepare_for_deepspeed": "ds_clip.model",
-    "clamp_logit_scale": "ds_clip.clamp",
-    "WeightEma": "ds_clip.ema",
-    "EmaSchedule": "ds_clip.ema",
-    "build_run_step": "ds_clip.run",
-    "RunStep": "ds_clip.run",
+    "cached_step": "ds_clip.step.cached",
+    "StepResult": "ds_clip.step.cached",
+    "ContrastiveLoss": "ds_clip.step.loss",
+    "LossSpec": "ds_clip.step.loss",
+    "step_engine_config": "ds_clip.ds_config.resolve",
+    "prepare_for_deepspeed": "ds_clip.models.model",
+    "clamp_logit_scale": "ds_clip.step.clamp",
+    "WeightEma": "ds_clip.step.ema",
+    "EmaSchedule": "ds_clip.step.ema",
+    "build_run_step": "ds_clip.training.wiring",
+    "RunStep": "ds_clip.training.wiring",
 }
 
 __all__ = ["__version__", *_EXPORTS]

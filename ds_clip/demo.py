@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-    from ds_clip.export import consolidated_state_dict
+    from ds_clip.export.openclip import consolidated_state_dict
     from ds_clip.geometry import BatchGeometry
 
     # Run B accumulates k micro-batches on W ranks; run A trains the same N pairs per step on W*k ranks at k=1.

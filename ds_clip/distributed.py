@@ -165,7 +165,7 @@ def _local_rank() -> int:
 
 def accelerator_name() -> str:
     """DeepSpeed's accelerator on this machine ("cuda", "cpu", ...): what the DeepSpeed JSON is resolved for
-    (ds_clip.ds_config.resolve_deepspeed decides what it cannot run)."""
+    (ds_clip.ds_config.resolve.resolve_deepspeed decides what it cannot run)."""
     from deepspeed.accelerator import get_accelerator
 
     return get_accelerator().device_name()

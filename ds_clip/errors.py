@@ -25,7 +25,7 @@ class SettingsError(UserError):
     """Bad settings: a flag, a preset or a JSON key. The message is one line naming it.
 
     The entry point prints ``ds-clip-train: error: <message>`` and exits with status 2, like argparse. Raised by
-    ds_clip.config (flags), ds_clip.presets and ds_clip.ds_config (the DeepSpeed JSON); both re-export it.
+    ds_clip.config (flags), ds_clip.ds_config.presets and ds_clip.ds_config (the DeepSpeed JSON); both re-export it.
     """
 
 

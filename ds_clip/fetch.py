@@ -5,7 +5,7 @@ for runs on air-gapped nodes (HF_HUB_OFFLINE=1) that read only that cache.
     python -m ds_clip.fetch --model hf-hub:timm/ViT-B-16-SigLIP
     python -m ds_clip.fetch --model ViT-B-32 --pretrained laion2b_s34b_b79k --dry-run    (list, fetch nothing)
 
-The files are fetched by open_clip's own loaders (ds_clip.hub.fetch) into --cache-dir or huggingface_hub's cache
+The files are fetched by open_clip's own loaders (ds_clip.sources.hub.fetch) into --cache-dir or huggingface_hub's cache
 (HF_HUB_CACHE); each is listed with its path. The flags are ds-clip-train's own.
 """
 
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        from ds_clip import hub
+        from ds_clip.sources import hub
 
         for model, pretrained, flag in (
             (args.model, args.pretrained, "--pretrained"),

@@ -1,4 +1,4 @@
-"""The signals that stop a run (ds_clip.preemption handles them in each rank) and the DataLoader
+"""The signals that stop a run (ds_clip.training.preemption handles them in each rank) and the DataLoader
 ``worker_init_fn`` that keeps them away from the rank's loader workers.
 
 torch installs its own SIGTERM handler in every DataLoader worker (it prints and dies), and a signal sent to a

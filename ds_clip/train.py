@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     # Heavy imports (torch, deepspeed, open_clip) only after the settings are known to be good.
     import torch.distributed as dist
 
-    from ds_clip.trainer import train
+    from ds_clip.training.trainer import train
 
     try:
         train(settings)
@@ -106,12 +106,12 @@ def dry_run(s: TrainSettings) -> None:
     accelerator); the settings and the JSON are printed as the run folder would get them. No process group,
     no model, no files written."""
     from ds_clip.data import build_train_data
-    from ds_clip.ds_config import format_sources
-    from ds_clip.engine import resolve_run  # the start's resolution (no process group)
+    from ds_clip.ds_config.presets import precision_mapping_text
+    from ds_clip.ds_config.resolve import format_sources
     from ds_clip.evaluate import check_train_inputs
-    from ds_clip.presets import precision_mapping_text
-    from ds_clip.schedule import RunLength, warmup_warning
-    from ds_clip.trainer import data_section
+    from ds_clip.training.engine import resolve_run  # the start's resolution (no process group)
+    from ds_clip.training.schedule import RunLength, warmup_warning
+    from ds_clip.training.trainer import data_section
 
     check_train_inputs(s)  # the evaluation inputs are read as the start would read them
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -154,8 +154,8 @@ def _unused(x):
 
 def _print_muon_split(s: TrainSettings) -> None:
     """--opt muon: which parameters DeepSpeed's Muon trains and which its AdamW (the model is built, no weights)."""
-    from ds_clip.engine import build_model_bundle
-    from ds_clip.optim import format_muon_split, pin_muon_tags
+    from ds_clip.training.engine import build_model_bundle
+    from ds_clip.training.optim import format_muon_split, pin_muon_tags
 
     bundle = build_model_bundle(s.model, seed=s.data.seed, load_published=False)
     print("# --opt muon: the towers' hidden matrices in Muon, the rest in AdamW")
@@ -175,8 +175,9 @@ def _k_table(s: TrainSettings) -> str:
 def _print_published(s: TrainSettings) -> None:
     """The published files the run reads (weights, configs, tokenizers) and whether each is cached: local rank 0
     of each host fetches the missing ones at start; offline (HF_HUB_OFFLINE) they must all be cached."""
-    from ds_clip import hub, weights
     from ds_clip.checkpoint import CheckpointError
+    from ds_clip.models import weights
+    from ds_clip.sources import hub
 
     m = s.model
     try:  # where the weights come from, as the start would decide it from this machine's files

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds_clip.loss import LossSpec
+from ds_clip.step.loss import LossSpec
 from ds_clip_harness.runs import RunSpec
 
 M = 2  # pairs per micro-batch

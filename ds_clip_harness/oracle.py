@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_clip.step import micro_batch_seed
+from ds_clip.step.cached import micro_batch_seed
 from ds_clip_harness.runs import RunResult, RunSpec, step_micro_batches
 
 
@@ -22,8 +22,8 @@ def oracle_first_step(spec: RunSpec, world_size: int) -> tuple[dict[str, torch.T
     """
     from open_clip.loss import ClipLoss, CoCaLoss, DistillClipLoss, SigLipLoss
 
-    from ds_clip.caption import is_captioning
-    from ds_clip.model import TowerLocks, build_model
+    from ds_clip.models.model import TowerLocks, build_model
+    from ds_clip.step.caption import is_captioning
 
     bundle = build_model(
         spec.model,

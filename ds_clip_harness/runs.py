@@ -1,6 +1,6 @@
 """Train the same steps under different (W ranks, k micro-batches) splits: the runs the equivalence tests,
 the equivalence report, the GPU check and the benchmarks share. Every run builds its model, engine and step with
-``ds_clip.run`` from ``ds-clip-train`` flags, so what is proven is what the trainer builds and trains from the
+``ds_clip.training.wiring`` from ``ds-clip-train`` flags, so what is proven is what the trainer builds and trains from the
 shipped presets: DeepSpeed's config-built AdamW (CPU Adam under offload), the LR schedule, the resolved JSON, the
 cached step with its seeds and the logit-scale clamp.
 
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ds_clip import distributed
-from ds_clip.loss import LossSpec
+from ds_clip.step.loss import LossSpec
 
 
 @dataclass
@@ -69,7 +69,7 @@ class RunSpec:
     distill_model: str | None = None
     """--distill-model: a frozen teacher (local-dir: with weights); the loss is open_clip's DistillClipLoss."""
     ema_decay: float | None = None
-    """--ema-decay: keep the weight EMA (ds_clip.ema) beside the masters; the result holds it whole, and the EMA
+    """--ema-decay: keep the weight EMA (ds_clip.step.ema) beside the masters; the result holds it whole, and the EMA
     of the whole fp32 masters after every applied step computed in one place (``ema_reference``)."""
     ema_warmup: bool = False
     """--ema-warmup (timm ModelEmaV3's warm-up of the decay)."""
@@ -187,7 +187,7 @@ def train_argv(spec: RunSpec, preset_dir: str | None = None) -> list[str]:
         preset = f"zero{spec.zero_stage}_{spec.precision}"
     if spec.count_collectives:
         assert preset_dir is not None
-        from ds_clip.ds_config import load_preset
+        from ds_clip.ds_config.resolve import load_preset
 
         cfg = load_preset(preset)
         cfg["comms_logger"] = {"enabled": True, "verbose": False, "prof_all": True, "debug": False}
@@ -305,7 +305,7 @@ def full_params(engine) -> dict[str, torch.Tensor]:
 
 def full_masters(engine) -> dict[str, torch.Tensor]:
     """The whole fp32 master of every trained parameter (ZeRO-0 bf16's included), on every rank."""
-    from ds_clip.clamp import full_fp32_master
+    from ds_clip.step.clamp import full_fp32_master
 
     return {n: full_fp32_master(engine, n) for n, p in engine.module.named_parameters() if p.requires_grad}
 
@@ -313,13 +313,13 @@ def full_masters(engine) -> dict[str, torch.Tensor]:
 def run_in_group(spec: RunSpec) -> RunResult:
     """Train ``spec`` on every rank of the current process group; every rank returns the result.
 
-    The model, engine, loss and step are ``ds_clip.run.build_run_step``'s from the flags of ``train_argv(spec)``:
+    The model, engine, loss and step are ``ds_clip.training.wiring.build_run_step``'s from the flags of ``train_argv(spec)``:
     the step ``ds-clip-train`` trains (the cached step, then open_clip's logit-scale clamp, then the weight EMA)."""
     import torch.distributed as dist
 
     from ds_clip.config import parse_settings
-    from ds_clip.ema import EmaSchedule
-    from ds_clip.run import build_run_step
+    from ds_clip.step.ema import EmaSchedule
+    from ds_clip.training.wiring import build_run_step
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     with tempfile.TemporaryDirectory() as preset_dir:

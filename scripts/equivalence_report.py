@@ -3,7 +3,7 @@
     source .venv/bin/activate && python scripts/equivalence_report.py [--out docs/equivalence.md]
 
 Runs the same cases as tests/test_equivalence.py (ds_clip_harness.cases.CASES: 2 ranks x k=2, 4 ranks x k=1,
-3 AdamW steps, each engine built by ds_clip.engine from the shipped presets, as ds-clip-train builds it) and
+3 AdamW steps, each engine built by ds_clip.training.engine from the shipped presets, as ds-clip-train builds it) and
 reports per case: the largest per-parameter relative error of DeepSpeed's reduced gradient against
 the single-process open_clip oracle (floor 1e-3 of the total gradient norm, as in the test), the
 logit_scale / logit_bias errors, and the largest |parameter difference| between the two splits.

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from ds_clip.config import ANSWERED, TrainSettings, flags
-from ds_clip.presets import list_presets
+from ds_clip.ds_config.presets import list_presets
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 COMMAND = "python scripts/gen_configuration_doc.py"
@@ -32,7 +32,7 @@ PREAMBLE = """\
 section is one flag, and its type, default and docstring make the flag, its `--help` line and its row
 below. `ds-clip-eval` takes its shared flags (`--val-data`, `--batch-size`, ...) from the same fields.
 The DeepSpeed JSON is resolved from a preset and the flags once, at start, by
-`ds_clip.ds_config.resolve_deepspeed`.
+`ds_clip.ds_config.resolve.resolve_deepspeed`.
 Both are written into the run folder (`<logs>/<name>/settings.json`, every field by its flat name, and
 `<logs>/<name>/ds_config.json`), so a run can be read back exactly.
 

@@ -4,7 +4,7 @@
     python scripts/gpu_check_capacity.py largest --out-dir DIR   # DIR/largest.json: ViT-B-16, tiled loss
 
 Both build the engine and step ds-clip-train builds (ds_clip.config.parse_settings with the user's defaults
-and the flags named below -> ds_clip.run.build_run_step) in one process (a world of one), and train with its
+and the flags named below -> ds_clip.training.wiring.build_run_step) in one process (a world of one), and train with its
 step (ds_clip.step.cached_step, then the logit-scale clamp) on pairs held in pinned host memory (the data
 offload: only the micro-batch being embedded is on the device). Every timed step is wall time between two CUDA synchronisations.
 
@@ -68,8 +68,8 @@ class Bench:
     def __init__(self, argv: list[str]) -> None:
         from ds_clip.config import parse_settings
         from ds_clip.distributed import device, init_distributed
-        from ds_clip.run import build_run_step
-        from ds_clip.step import input_dtype
+        from ds_clip.step.cached import input_dtype
+        from ds_clip.training.wiring import build_run_step
 
         self.settings = s = parse_settings(argv)
         info = init_distributed()

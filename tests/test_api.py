@@ -17,8 +17,8 @@ import sys
 import pytest
 import torch
 
-from ds_clip.ds_config import COALESCE_ENGINE_KEYS, STEP_ENGINE_KEYS, step_engine_config
-from ds_clip.presets import SettingsError
+from ds_clip.ds_config.presets import SettingsError
+from ds_clip.ds_config.resolve import COALESCE_ENGINE_KEYS, STEP_ENGINE_KEYS, step_engine_config
 from tests import launch
 from tests.launch import ROOT
 
@@ -37,11 +37,11 @@ def test_import_ds_clip_stays_light_and_exports_the_step():
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-3000:]
 
     import ds_clip
-    import ds_clip.clamp
-    import ds_clip.ds_config
-    import ds_clip.loss
-    import ds_clip.model
-    import ds_clip.step
+    import ds_clip.ds_config.resolve
+    import ds_clip.models.model
+    import ds_clip.step.cached
+    import ds_clip.step.clamp
+    import ds_clip.step.loss
     from ds_clip import (
         ContrastiveLoss,
         LossSpec,
@@ -53,10 +53,10 @@ def test_import_ds_clip_stays_light_and_exports_the_step():
     )
 
     assert cached_step is ds_clip.step.cached_step and StepResult is ds_clip.step.StepResult
-    assert ContrastiveLoss is ds_clip.loss.ContrastiveLoss and LossSpec is ds_clip.loss.LossSpec
-    assert step_engine_config is ds_clip.ds_config.step_engine_config
-    assert prepare_for_deepspeed is ds_clip.model.prepare_for_deepspeed
-    assert clamp_logit_scale is ds_clip.clamp.clamp_logit_scale
+    assert ContrastiveLoss is ds_clip.step.loss.ContrastiveLoss and LossSpec is ds_clip.step.loss.LossSpec
+    assert step_engine_config is ds_clip.ds_config.resolve.step_engine_config
+    assert prepare_for_deepspeed is ds_clip.models.model.prepare_for_deepspeed
+    assert clamp_logit_scale is ds_clip.step.clamp.clamp_logit_scale
     assert set(ds_clip.__all__) <= set(dir(ds_clip))
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         ds_clip.no_such_name  # noqa: B018

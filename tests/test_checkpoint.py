@@ -1,7 +1,7 @@
 """The product's promises through the real trainer: W·k·m splits train alike, resume is step-exact, the
 temperature clamp holds in the fp32 master, checkpoints lose nothing, export and evaluation agree.
 
-The real trainer (`ds_clip.trainer.train`, what `ds-clip-train` runs) with the user's defaults on: open_clip's
+The real trainer (`ds_clip.training.trainer.train`, what `ds-clip-train` runs) with the user's defaults on: open_clip's
 random train transform (RandomResizedCrop), `--workers 1` (0 and 2 too for resume), a ViT with patch
 dropout. It runs inside three process groups over gloo, many runs per group (a DeepSpeed start costs
 seconds here): 4 ranks (k=1 runs saved on W=4), 2 ranks (k=2: ZeRO 0-3 uninterrupted and
@@ -62,7 +62,7 @@ def _ckpt(logs: Path, name: str, step: int) -> Path:
 def _train(argv: list[str]) -> None:
     """One run of the real trainer, exactly as `ds-clip-train ARGV` runs it (nothing swapped or patched)."""
     from ds_clip.config import parse_settings
-    from ds_clip.trainer import train
+    from ds_clip.training.trainer import train
 
     train(parse_settings(argv))
 
@@ -137,10 +137,10 @@ def _clamp_case(model: str, zero: int, precision: str) -> dict:
     past ln 100. Reads the fp32 master the optimizer will update next, and the working copy."""
     import torch.distributed as dist
 
-    from ds_clip.clamp import clamp_logit_scale, full_fp32_master
     from ds_clip.config import parse_settings
-    from ds_clip.engine import build_engine, build_model_bundle, resolve_run
-    from ds_clip.step import cached_step, input_dtype
+    from ds_clip.step.cached import cached_step, input_dtype
+    from ds_clip.step.clamp import clamp_logit_scale, full_fp32_master
+    from ds_clip.training.engine import build_engine, build_model_bundle, resolve_run
 
     rank, world = dist.get_rank(), dist.get_world_size()
     s = parse_settings(
@@ -181,8 +181,8 @@ def _engine_embeddings(model: str, run_dir: Path, zero: int) -> dict:
     import torch.distributed as dist
 
     from ds_clip.config import parse_settings
-    from ds_clip.engine import build_engine, build_model_bundle, resolve_run
-    from ds_clip.step import cached_step
+    from ds_clip.step.cached import cached_step
+    from ds_clip.training.engine import build_engine, build_model_bundle, resolve_run
 
     rank = dist.get_rank()
     s = parse_settings(["--model", model, "--zero-stage", str(zero), "--batch-size", str(M), "--lr", "1e-2"])
@@ -221,7 +221,7 @@ def _clamp_model(root: Path) -> str:
     import open_clip
     from safetensors.torch import save_file
 
-    from ds_clip.model import build_model
+    from ds_clip.models.model import build_model
 
     folder = root / "clamp_model"
     folder.mkdir()
@@ -280,7 +280,7 @@ def runs(tmp_path_factory) -> dict:
 
 
 def _final(logs: Path, name: str) -> dict[str, torch.Tensor]:
-    from ds_clip.export import consolidated_state_dict
+    from ds_clip.export.openclip import consolidated_state_dict
 
     return consolidated_state_dict(_ckpt(logs, name, STEPS))
 
@@ -321,7 +321,7 @@ def test_distilled_resume_is_step_exact_and_the_teacher_is_in_no_checkpoint(runs
     strictly by open_clip."""
     import open_clip
 
-    from ds_clip.export import main as export_main
+    from ds_clip.export.openclip import main as export_main
 
     logs = runs["logs"]
     full, resumed = _final(logs, "distill2_z3"), _final(logs, "distillres2_z3")
@@ -442,8 +442,8 @@ def test_export_loads_strictly_in_open_clip_and_matches_engine_embeddings(runs, 
     and each embeds a probe batch as the engine did."""
     import open_clip
 
-    from ds_clip.export import WEIGHTS_FILE, main, resolve_pretrained
-    from ds_clip.model import build_model
+    from ds_clip.export.openclip import WEIGHTS_FILE, main, resolve_pretrained
+    from ds_clip.models.model import build_model
 
     eng = runs["engine"]
     out = tmp_path / "export"
@@ -477,7 +477,7 @@ def test_eval_on_2_ranks_zero3_equals_ds_clip_eval_of_the_export(runs, tmp_path)
     """Evaluation inside a 2-rank ZeRO-3 run (31 samples: slices of 16 and 15) counts every sample once and
     gives the metrics ds-clip-eval computes in one process on the exported model."""
     from ds_clip.evaluate import main as eval_main
-    from ds_clip.export import main as export_main
+    from ds_clip.export.openclip import main as export_main
 
     logs = runs["logs"]
     run_dir = logs / "full2_z3"
@@ -503,7 +503,7 @@ def test_the_export_model_is_built_without_a_random_weights_warning(caplog, capf
     The filter is gone afterwards (the warning still reaches a user who builds a random model themselves)."""
     import logging
 
-    from ds_clip.export import build_open_clip_model
+    from ds_clip.export.openclip import build_open_clip_model
 
     with caplog.at_level(logging.WARNING):
         build_open_clip_model(MODEL)

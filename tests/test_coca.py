@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_clip.caption import chunked_token_loss_sum
 from ds_clip.config import parse_settings
 from ds_clip.errors import UserError
-from ds_clip.step_checks import UntrainedOutputError, check_outputs
+from ds_clip.step.caption import chunked_token_loss_sum
+from ds_clip.step.checks import UntrainedOutputError, check_outputs
 from ds_clip_harness.groups import spawn_group
 from ds_clip_harness.models import COCA_E2E_MODEL
 
@@ -78,10 +78,10 @@ TRAINER_STAGES = (1, 3)
 
 
 def _coca_trainer_runs(model: str, logs: str) -> None:
-    """ds_clip.trainer.train (what ds-clip-train runs) on every rank: a CoCa, k=2, 3 steps straight, and the
+    """ds_clip.training.trainer.train (what ds-clip-train runs) on every rank: a CoCa, k=2, 3 steps straight, and the
     same run interrupted after step 2 and resumed from that checkpoint; then a CoCa with --siglip."""
     from ds_clip.checkpoint import tag_for
-    from ds_clip.trainer import train
+    from ds_clip.training.trainer import train
 
     for zero in TRAINER_STAGES:
         common = [
@@ -124,8 +124,8 @@ def test_coca_through_the_trainer_resumes_exactly_and_exports_a_coca_that_genera
     from safetensors.torch import load_file
 
     from ds_clip.checkpoint import tag_for
-    from ds_clip.export import export
-    from ds_clip.model import build_model
+    from ds_clip.export.openclip import export
+    from ds_clip.models.model import build_model
 
     exported = {}
     for name in (f"coca_z{zero}", f"cocares_z{zero}"):

@@ -309,7 +309,7 @@ def _check_helpers(D, rank: int, world: int) -> None:
 
 def _check_loss_gathers(rank: int, world: int) -> None:
     """Every loss variant's gathers (forward and backward) go through the helpers: nothing flagged."""
-    from ds_clip.loss import ContrastiveLoss, LossSpec
+    from ds_clip.step.loss import ContrastiveLoss, LossSpec
 
     specs = [
         LossSpec(),
@@ -351,7 +351,7 @@ def test_helpers_on_two_ranks_and_guard_catches_the_old_bugs(tmp_path):
         "barrier",
     }
     assert not guard.offences(tmp_path / "new"), guard.format_offences(guard.offences(tmp_path / "new"))
-    assert "ds_clip.loss" in {m for r in new for m in r["modules"]}
+    assert "ds_clip.step.loss" in {m for r in new for m in r["modules"]}
     found = guard.offences(tmp_path / "old")
     text = guard.format_offences(found)
     print(text)
@@ -437,5 +437,10 @@ def test_trainer_evaluation_checkpoint_resume_issue_no_flagged_collective(tmp_pa
     assert not bad, guard.format_offences(bad)
     # By package module: ds_clip.evaluate.runner counts as ds_clip.evaluate.
     callers = {".".join(m.split(".")[:2]) for r in recs for m in r["modules"] if m}
-    assert {"ds_clip.evaluate", "ds_clip.checkpoint", "ds_clip.loss", "ds_clip.trainer"} <= callers, callers
+    assert {
+        "ds_clip.evaluate",
+        "ds_clip.checkpoint",
+        "ds_clip.step.loss",
+        "ds_clip.training.trainer",
+    } <= callers, callers
     assert {r["rank"] for r in recs} == {0, 1}

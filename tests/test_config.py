@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from ds_clip import ds_rules as dsc  # where the step's keys and the rules that merge them live
 from ds_clip.config import (
     SettingsError,
     TrainSettings,
@@ -27,7 +26,8 @@ from ds_clip.config import (
     settings_to_dict,
     validate,
 )
-from ds_clip.ds_config import (
+from ds_clip.ds_config import rules as dsc  # where the step's keys and the rules that merge them live
+from ds_clip.ds_config.resolve import (
     PRESET_DIR,
     default_preset,
     list_presets,
@@ -658,7 +658,7 @@ def test_launch_scripts_pass_flags_through_and_parse(script):
 
 
 def test_loss_tile_size_reaches_the_built_loss_and_refuses_zero():
-    """--loss-tile-size is the tile of the loss ds_clip.engine builds (what the equivalence matrix's tiled
+    """--loss-tile-size is the tile of the loss ds_clip.training.engine builds (what the equivalence matrix's tiled
     cases set to 3 so an 8-pair batch spans several tiles); 0 is refused naming the flag."""
     assert parse_settings(["--loss-tile-size", "3"]).loss.loss_tile_size == 3
     with pytest.raises(SettingsError, match="--loss-tile-size"):

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from open_clip.loss import DistillClipLoss
 
 from ds_clip.config import SettingsError, parse_settings
-from ds_clip.loss import ContrastiveLoss, LossSpec, TeacherFeatures
-from ds_clip.tiled_loss import distill_clip_loss_tiled
+from ds_clip.step.loss import ContrastiveLoss, LossSpec, TeacherFeatures
+from ds_clip.step.tiled_loss import distill_clip_loss_tiled
 from ds_clip_harness.models import CONFIGS, TEACHER, write_pretrained_dir
 
 
@@ -193,7 +193,7 @@ def test_build_teacher_is_frozen_eval_and_leaves_the_rng_alone(tmp_path):
     mode, the global RNG untouched (the student's random stream does not depend on having a teacher)."""
     from safetensors.torch import load_file
 
-    from ds_clip.engine import build_model_bundle, build_teacher
+    from ds_clip.training.engine import build_model_bundle, build_teacher
 
     student = _dir(tmp_path, "student", CONFIGS["vit"], weights=False)
     teacher_dir = _dir(tmp_path, "teacher", TEACHER)
@@ -222,8 +222,8 @@ def test_build_teacher_is_frozen_eval_and_leaves_the_rng_alone(tmp_path):
 def test_teacher_reading_other_inputs_is_refused(tmp_path, change, needle):
     """A teacher with another image size or another context length would be fed the student's images and
     tokens: refused by the engine builder with a ModelError (exit 2) naming --distill-model."""
-    from ds_clip.engine import build_model_bundle, build_teacher
     from ds_clip.errors import UserError
+    from ds_clip.training.engine import build_model_bundle, build_teacher
 
     student = _dir(tmp_path, "student", CONFIGS["vit"], weights=False)
     teacher = _dir(tmp_path, "teacher", {**TEACHER, **change})

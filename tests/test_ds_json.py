@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ds_clip.config import SettingsError, parse_settings, resolve_deepspeed_for, resolve_geometry
-from ds_clip.ds_config import fill_start_keys
+from ds_clip.ds_config.resolve import fill_start_keys
 
 PUBLIC = Path(__file__).resolve().parent / "data" / "ds_configs"
 

@@ -118,8 +118,8 @@ def test_deepspeed_launcher_trains_coca_decoder(coca_dir, tmp_path):
     naming --model and the decoder's outputs."""
     from safetensors.torch import load_file
 
-    from ds_clip.export import export
-    from ds_clip.model import build_model
+    from ds_clip.export.openclip import export
+    from ds_clip.models.model import build_model
 
     k, steps = 4, 2
     args = [

@@ -54,7 +54,7 @@ def _args(model: str, logs: Path, name: str) -> list[str]:
 
 
 def _final(run_dir: Path) -> dict[str, torch.Tensor]:
-    from ds_clip.export import consolidated_state_dict
+    from ds_clip.export.openclip import consolidated_state_dict
 
     return consolidated_state_dict(run_dir / "checkpoints" / f"step_{STEPS:08d}")
 

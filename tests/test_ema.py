@@ -1,4 +1,4 @@
-"""The weight EMA (--ema-decay, ds_clip.ema) through the real trainer: kept per rank beside the fp32 master
+"""The weight EMA (--ema-decay, ds_clip.step.ema) through the real trainer: kept per rank beside the fp32 master
 partition, saved in every checkpoint and resumed exactly (same world size, and resharded on another), evaluated
 beside the live weights (ema/ metrics, the same numbers ds-clip-eval gives on ds-clip-export --ema), and a resume
 of a checkpoint saved without one starts the average from the resumed weights and says so once.
@@ -20,7 +20,7 @@ import torch
 from ds_clip import checkpoint as ck
 from ds_clip.checkpoint.manifest import manifest_files
 from ds_clip.config import SettingsError, parse_settings
-from ds_clip.ema import EmaSchedule, full_state_from_files, rank_files
+from ds_clip.step.ema import EmaSchedule, full_state_from_files, rank_files
 from ds_clip_harness.groups import spawn_group
 from ds_clip_harness.models import E2E_MODEL
 
@@ -104,7 +104,7 @@ class _Lines(logging.Handler):
 
 def _train(argv: list[str]) -> list[str]:
     """One run of the real trainer (what `ds-clip-train ARGV` runs); returns ds_clip's log lines on this rank."""
-    from ds_clip.trainer import train
+    from ds_clip.training.trainer import train
 
     handler = _Lines()
     logging.getLogger("ds_clip").addHandler(handler)
@@ -163,7 +163,7 @@ def _ema(logs: Path, name: str, step: int = STEPS) -> dict[str, torch.Tensor]:
 
 
 def _weights(logs: Path, name: str, step: int = STEPS) -> dict[str, torch.Tensor]:
-    from ds_clip.export import consolidated_state_dict
+    from ds_clip.export.openclip import consolidated_state_dict
 
     return consolidated_state_dict(_ckpt(logs, name, step))
 
@@ -236,7 +236,7 @@ def test_ema_metrics_equal_ds_clip_eval_of_the_ema_export(runs, zero, tmp_path):
     partitions) equal what ds-clip-eval computes in one process on `ds-clip-export --ema` of the last
     checkpoint; the live metrics stay those of the live weights (they differ)."""
     from ds_clip.evaluate import main as eval_main
-    from ds_clip.export import main as export_main
+    from ds_clip.export.openclip import main as export_main
 
     run_dir = runs["logs"] / f"ema_z{zero}"
     history = json.loads((run_dir / "eval_results.json").read_text())
@@ -271,7 +271,7 @@ def test_export_ema_is_the_average_and_refuses_a_checkpoint_without_one(runs, tm
     strictly by open_clip; on a checkpoint saved without an EMA it is one line, exit 2."""
     from safetensors.torch import load_file
 
-    from ds_clip.export import WEIGHTS_FILE, main
+    from ds_clip.export.openclip import WEIGHTS_FILE, main
 
     logs = runs["logs"]
     out = tmp_path / "ema"

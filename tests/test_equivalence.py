@@ -191,7 +191,7 @@ def test_two_ranks_accum2_train_like_four_ranks(case, runs, models):
     (attention key biases); so the difference of the two runs, over the whole model, must stay below
     5% of how far the model moved (in norm). (Single entries cannot be bounded by lr: where ZeRO-0
     keeps no fp32 master, a bf16 weight of 0.5 has a rounding step of 2e-3.)"""
-    from ds_clip.model import build_model
+    from ds_clip.models.model import build_model
 
     a, b = runs[(case.name, 2)], runs[(case.name, 4)]
     lr = ADAM["lr"]
@@ -228,7 +228,7 @@ def test_weight_ema_is_split_invariant_and_the_average_of_the_whole_masters(case
     assembled whole, it equals the average computed from the whole fp32 masters after every step in one place
     (timm ModelEmaV3's rule; the same float operations, so to the last bit), and 2 ranks x k=2 keep the same EMA
     as 4 ranks x k=1 (W2k2 == W4k1 for the average too, to the bounds the weights themselves meet)."""
-    from ds_clip.model import build_model
+    from ds_clip.models.model import build_model
 
     a, b = runs[(case.name, 2)], runs[(case.name, 4)]
     assert a.ema is not None and b.ema is not None and a.ema_reference is not None
@@ -257,7 +257,7 @@ def test_evaluating_the_weight_ema_computes_with_it_and_gives_the_weights_back(c
     DeepSpeed's refresh of the working copy) the engine embeds a probe batch as open_clip's model holding the
     assembled EMA does, on every stage, precision and offload; after it, the live weights embed as before, bit
     for bit."""
-    from ds_clip.model import build_model
+    from ds_clip.models.model import build_model
 
     result = runs[(case.name, 2)]
     probe = result.ema_probe
@@ -282,8 +282,8 @@ def test_batchnorm_running_stats_count_each_sample_once(stage, runs, models):
     """A BatchNorm tower (open_clip ModifiedResNet): after one step of k=2 micro-batches, rank 0's
     running statistics equal those of one train-mode pass over its 2 micro-batches in order. The
     no-grad cache pass must not update them; the recompute does, once per micro-batch of m."""
-    from ds_clip.model import build_model
-    from ds_clip.step import micro_batch_seed
+    from ds_clip.models.model import build_model
+    from ds_clip.step.cached import micro_batch_seed
     from ds_clip_harness.runs import step_micro_batches
 
     spec = _bn_spec(models, stage)

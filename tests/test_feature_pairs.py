@@ -34,8 +34,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_clip import ema
 from ds_clip.checkpoint import MARKER, POINTER, tag_for
+from ds_clip.step import ema
 from ds_clip_harness.models import COCA_E2E_MODEL, E2E_MODEL, write_pretrained_dir
 from tests import launch
 

@@ -12,9 +12,9 @@ import pytest
 
 from ds_clip import train
 from ds_clip.config import SettingsError, TrainSettings, parse_settings
-from ds_clip.engine import resolve_geometry
+from ds_clip.config.recipes import RECIPE_DIR, list_recipes, load_recipe
 from ds_clip.geometry import BatchGeometry, GeometryError, micro_batches_for, world_sizes_for
-from ds_clip.recipes import RECIPE_DIR, list_recipes, load_recipe
+from ds_clip.training.engine import resolve_geometry
 
 
 @pytest.mark.parametrize("world, k", [(1, 512), (2, 256), (8, 64)])

@@ -181,7 +181,7 @@ def test_capacity_script_searches_and_reports_on_cpu(tmp_path):
     assert mfu["m"] == 4 and mfu["N"] == 8 and len(mfu["step_seconds"]) == 1
     import open_clip
 
-    import ds_clip.model  # noqa: F401  registers the built-in configs with open_clip
+    import ds_clip.models.model  # noqa: F401  registers the built-in configs with open_clip
 
     cfg = open_clip.get_model_config("ds-clip-tiny")
     assert mfu["step_tflops_executed"] == pytest.approx(flops.cached_step_flops(cfg, 4, 2) / 1e12)

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from ds_clip.distributed import _free_port
-from ds_clip.export import main as export_main
-from ds_clip.hf_export import unmappable
+from ds_clip.export.hf_clip import unmappable
+from ds_clip.export.openclip import main as export_main
 from ds_clip_harness.models import (
     COCA_E2E_MODEL,
     CONFIGS,
@@ -247,8 +247,8 @@ def test_siglip_architecture_exports_as_siglip_model(runs, tmp_path, capsys):
         SiglipVisionModel,
     )
 
-    from ds_clip.hf_siglip import siglip_state_dict
-    from ds_clip.hf_towers import UnmappableError
+    from ds_clip.export.hf_siglip import siglip_state_dict
+    from ds_clip.export.hf_towers import UnmappableError
 
     hf_dir, oc_dir = tmp_path / "hf", tmp_path / "oc"
     for folder, fmt in ((hf_dir, "transformers"), (oc_dir, "open_clip")):
@@ -410,7 +410,7 @@ def test_what_transformers_cannot_represent_is_named(model_cfg, preprocess_cfg, 
 def test_model_card_reads_what_the_run_recorded(tmp_path):
     """The card quotes every launch of the run (the launcher's --local_rank dropped), the evaluation of the
     exported step or the last one before it, and says what the run did not record instead of guessing."""
-    from ds_clip.model_card import card_text, launch_command
+    from ds_clip.export.model_card import card_text, launch_command
 
     run = tmp_path / "run1"
     ckpt = run / "checkpoints" / "step_00000006"

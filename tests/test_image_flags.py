@@ -66,7 +66,7 @@ def test_flags_reach_the_model_and_both_transforms(model_dir):
     the aug_cfg in the train transform (timm's crop at scale (0.5, 1), colour jitter, random erasing)."""
     import open_clip
 
-    from ds_clip.engine import build_model_bundle
+    from ds_clip.training.engine import build_model_bundle
 
     b = build_model_bundle(parse_settings(["--model", model_dir, *FLAGS]).model, seed=0)
     assert tuple(b.model.visual.image_size) == (48, 48)
@@ -98,7 +98,7 @@ def test_flags_reach_the_model_and_both_transforms(model_dir):
 def test_force_patch_dropout_zero_turns_it_off(tmp_path):
     cfg = {**E2E_MODEL, "vision_cfg": {**E2E_MODEL["vision_cfg"], "patch_dropout": 0.25}}
     (tmp_path / "open_clip_config.json").write_text(json.dumps({"model_cfg": cfg, "preprocess_cfg": {}}))
-    from ds_clip.engine import build_model_bundle
+    from ds_clip.training.engine import build_model_bundle
 
     model = f"local-dir:{tmp_path}"
     assert type(
@@ -110,7 +110,7 @@ def test_force_patch_dropout_zero_turns_it_off(tmp_path):
 
 def _first_images(model_dir: str, workers: int, epoch: int = 0) -> torch.Tensor:
     from ds_clip.data import build_train_data
-    from ds_clip.engine import build_model_bundle
+    from ds_clip.training.engine import build_model_bundle
 
     s = parse_settings(
         ["--model", model_dir, *FLAGS, "--workers", str(workers), "--train-num-samples", "8", "--seed", "5",

@@ -30,8 +30,8 @@ def test_lock_flags_freeze_what_open_clips_own_methods_freeze():
     trainable that open_clip's lock_image_tower / lock_text_tower leave on the same model."""
     import open_clip
 
-    from ds_clip.engine import build_model_bundle
-    from ds_clip.model import frozen_towers
+    from ds_clip.models.model import frozen_towers
+    from ds_clip.training.engine import build_model_bundle
 
     argv = ["--lock-image", "--lock-image-unlocked-groups", "2", "--lock-text", "--lock-text-unlocked-layers", "1",
             "--lock-text-freeze-layer-norm"]  # fmt: skip
@@ -56,7 +56,7 @@ def test_lock_flags_freeze_what_open_clips_own_methods_freeze():
 
 
 def test_freeze_bn_stats_replaces_batchnorm_as_open_clip_does(tmp_path):
-    from ds_clip.engine import build_model_bundle
+    from ds_clip.training.engine import build_model_bundle
 
     (tmp_path / "open_clip_config.json").write_text(
         json.dumps({"model_cfg": CONFIGS["resnet_bn"], "preprocess_cfg": {}})
@@ -90,8 +90,8 @@ def test_bad_lock_flags_exit_2_naming_the_flag(argv, needle, capsys):
 def test_what_a_tower_refuses_is_a_user_error_naming_the_flag(tmp_path):
     """open_clip asserts (its own text tower cannot leave LayerNorm trainable; a ResNet cannot be partly
     unlocked); ds_clip turns that into a UserError (exit 2) that names the flag to change."""
-    from ds_clip.engine import build_model_bundle
     from ds_clip.errors import UserError
+    from ds_clip.training.engine import build_model_bundle
 
     with pytest.raises(UserError, match="add --lock-text-freeze-layer-norm"):
         build_model_bundle(parse_settings(["--lock-text"]).model, seed=0)
@@ -144,8 +144,8 @@ def _engine_runs(model: str, cases: list) -> list[dict]:
     import torch.distributed as dist
 
     from ds_clip import distributed
-    from ds_clip.engine import build_engine, build_model_bundle, resolve_run
-    from ds_clip.step import cached_step, micro_batch_seed
+    from ds_clip.step.cached import cached_step, micro_batch_seed
+    from ds_clip.training.engine import build_engine, build_model_bundle, resolve_run
     from ds_clip_harness.runs import FLAT_SCHEDULE_STEPS, full_params, step_micro_batches, train_argv
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -265,10 +265,10 @@ TRAINER_STAGES = (1, 2, 3)
 
 
 def _lit_trainer_runs(model: str, logs: str) -> None:
-    """ds_clip.trainer.train (what ds-clip-train runs) on every rank: LiT from the pretrained folder, k=2,
+    """ds_clip.training.trainer.train (what ds-clip-train runs) on every rank: LiT from the pretrained folder, k=2,
     3 steps straight, and the same run interrupted after step 2 and resumed from that checkpoint."""
     from ds_clip.checkpoint import tag_for
-    from ds_clip.trainer import train
+    from ds_clip.training.trainer import train
 
     for zero in TRAINER_STAGES:
         common = [
@@ -315,7 +315,7 @@ def test_lit_through_the_trainer_resumes_exactly_and_exports_the_pretrained_imag
     from safetensors.torch import load_file
 
     from ds_clip.checkpoint import tag_for
-    from ds_clip.export import export
+    from ds_clip.export.openclip import export
 
     _, weights = pretrained_e2e
     exported = {}

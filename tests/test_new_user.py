@@ -104,7 +104,7 @@ def test_dry_run_reads_the_training_table_as_the_start_does(tmp_path, capsys, mo
 
 def test_a_mistyped_flag_is_one_line_with_the_closest_flag_and_a_pointer_to_help(capsys):
     from ds_clip.evaluate import main as eval_main
-    from ds_clip.export import main as export_main
+    from ds_clip.export.openclip import main as export_main
 
     for main, argv, prog, want in [
         (train_main, ["--batch-szie", "8"], "ds-clip-train", "did you mean --batch-size?"),
@@ -221,7 +221,7 @@ def test_zeroshot_classes_follow_the_zeroshot_frequency_like_every_zero_shot_sou
 
 
 def test_step_lines_and_the_last_line_name_the_two_kinds_of_skip():
-    from ds_clip.metrics import format_line
+    from ds_clip.training.metrics import format_line
 
     row = {
         "step": 3, "total_steps": 4, "epoch": 0, "samples_seen": 48, "loss": 2.0, "logit_scale": 14.0, "lr": 1e-4,
@@ -238,7 +238,7 @@ def test_ds_clip_export_says_a_run_saved_no_checkpoint_and_keeps_an_existing_exp
     """The run folder of a run that stopped before its first save (settings.json, no checkpoints/latest_complete):
     named as such, not as a partial checkpoint. An OUT that holds an export: refused before anything is read
     or written, unless --overwrite."""
-    from ds_clip.export import main as export_main
+    from ds_clip.export.openclip import main as export_main
 
     run = tmp_path / "logs" / "run"
     run.mkdir(parents=True)
@@ -318,7 +318,7 @@ def _trainer_errors(cases: list[list[list[str]]]) -> list:
     from ds_clip import distributed
     from ds_clip.config import parse_settings
     from ds_clip.errors import UserError
-    from ds_clip.trainer import Trainer
+    from ds_clip.training.trainer import Trainer
 
     mine = []
     for per_rank in cases:
@@ -403,7 +403,7 @@ def test_a_run_as_a_new_user_starts_it_under_the_deepspeed_launcher(tmp_path):
     samples apart; the zero-shot metrics come at the end only (--zeroshot-frequency's default), the val ones
     every step; no rank warns of a requires_grad tensor made a scalar; the run folder is named by the
     documented pattern; ds-clip-export refuses to replace its export without --overwrite."""
-    from ds_clip.export import main as export_main
+    from ds_clip.export.openclip import main as export_main
 
     model = _model_dir(tmp_path / "exports" / "model")
     classes = tmp_path / "classes.json"

@@ -1,5 +1,5 @@
 """One wiring: the trainer, the equivalence harness, the benchmarks that time a step and the GPU check build
-their model, engine and step with ds_clip.run, and none of them calls ``cached_step`` or builds an engine of its
+their model, engine and step with ds_clip.training.wiring, and none of them calls ``cached_step`` or builds an engine of its
 own, so that what the tests prove and the benchmarks time is the step ``ds-clip-train`` trains (with its seeds
 and the logit-scale clamp). Unit tests of the step itself (tests/) and the example of the step in a user's own
 loop with the user's own engine (examples/own_loop.py) are the callers that stand apart.
@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("ds_clip", "ds_clip_harness", "benchmarks", "scripts")
 # (file, function) -> why it may call it: the one wiring itself, or a baseline that is not ds_clip's step.
 ALLOWED = {
-    ("ds_clip/run.py", "cached_step"): "the step",
-    ("ds_clip/run.py", "build_engine"): "the engine of the step",
+    ("ds_clip/training/wiring.py", "cached_step"): "the step",
+    ("ds_clip/training/wiring.py", "build_engine"): "the engine of the step",
     ("benchmarks/bench_exactness_cost.py", "build_engine"): "the baseline: DeepSpeed's own accumulation",
 }
 

@@ -19,7 +19,7 @@ import pytest
 from ds_clip import train
 from ds_clip.config import ANSWERED, TrainSettings, build_parser, flags, parse_settings
 from ds_clip.config.resolve import resolve_deepspeed_for, resolve_ds_config
-from ds_clip.presets import PRECISION_MAP, SettingsError
+from ds_clip.ds_config.presets import PRECISION_MAP, SettingsError
 from tests import launch
 from tests.test_config import _doc_generator  # scripts/gen_configuration_doc.py also reads open_clip's parser
 
@@ -229,7 +229,7 @@ def test_model_flags_reach_open_clip():
     import open_clip
     from torchvision import transforms as T
 
-    from ds_clip.engine import build_model_bundle
+    from ds_clip.training.engine import build_model_bundle
 
     s = parse_settings(
         [
@@ -276,7 +276,7 @@ def test_imagenet_zeroshot_matches_open_clip_train(tmp_path):
     import torch
 
     from ds_clip.evaluate.zeroshot import imagenet_zeroshot
-    from ds_clip.model import build_model
+    from ds_clip.models.model import build_model
     from ds_clip_harness.models import E2E_MODEL
 
     model_dir = tmp_path / "model"
@@ -409,7 +409,7 @@ def test_step_and_epoch_cadences_combine():
 
 
 def test_skip_scheduler_is_the_peak_from_the_first_step():
-    from ds_clip.schedule import schedule_for
+    from ds_clip.training.schedule import schedule_for
 
     o = parse_settings(["--skip-scheduler", "--warmup", "100"]).optim
     sched = schedule_for(o, total_steps=50)
@@ -440,7 +440,7 @@ def test_use_bn_sync_converts_batchnorm_and_is_refused_on_the_cpu(tmp_path, caps
     import torch
 
     from ds_clip.config import resolve_deepspeed_for as resolve
-    from ds_clip.engine import build_model_bundle
+    from ds_clip.training.engine import build_model_bundle
     from ds_clip_harness.models import write_model_dirs
 
     model = write_model_dirs(tmp_path)["resnet_bn"]

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from ds_clip.config import parse_settings
-from ds_clip.model import build_model, prepare_for_deepspeed
-from ds_clip.optim import ParamGroupError, format_groups, param_groups_for
+from ds_clip.models.model import build_model, prepare_for_deepspeed
+from ds_clip.training.optim import ParamGroupError, format_groups, param_groups_for
 from ds_clip_harness.groups import spawn_group
 from ds_clip_harness.models import CONFIGS, write_model_dirs
 from ds_clip_harness.runs import RunSpec, step_micro_batches
@@ -172,8 +172,8 @@ def _group_engines(model: str) -> list[dict]:
     """Every rank: for each preset, build the trainer's engine from the flags, take one optimizer step."""
     import torch.distributed as dist
 
-    from ds_clip.engine import build_engine, build_model_bundle, resolve_run
-    from ds_clip.step import cached_step
+    from ds_clip.step.cached import cached_step
+    from ds_clip.training.engine import build_engine, build_model_bundle, resolve_run
     from ds_clip_harness.runs import full_params
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -236,7 +236,7 @@ def test_deepspeed_optimizer_runs_each_group_at_its_lr(engines, models, preset):
     """engine.get_lr() per group is the group's peak x the cosine schedule (step 0: x1, step 1:
     x cos-decay(1/10)); the image tower at --visual-lr 0 is bit-for-bit unchanged after a step while the
     text tower and logit_scale moved."""
-    from ds_clip.schedule import cosine_with_warmup
+    from ds_clip.training.schedule import cosine_with_warmup
 
     r = engines[preset]
     if preset.startswith("zero2_offload"):
@@ -277,7 +277,7 @@ def test_muon_takes_the_towers_hidden_matrices_and_adamw_the_rest(models):
     """--opt muon: attention and MLP weights of both towers' blocks in Muon; embeddings, the patch stem, the
     projections, logit_scale, norms and biases in AdamW, and the tag stands against DeepSpeed's own re-tagging
     (any 2-D weight without "embed" in its name) in deepspeed.initialize."""
-    from ds_clip.optim import pin_muon_tags
+    from ds_clip.training.optim import pin_muon_tags
 
     model = _model(models, "vit")
     muon, adam = pin_muon_tags(model)

@@ -13,8 +13,8 @@ import textwrap
 import pytest
 import torch
 
-from ds_clip.preemption import LauncherWatch, StopRequest
 from ds_clip.stop_signals import ignore_in_worker
+from ds_clip.training.preemption import LauncherWatch, StopRequest
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ def test_dataloader_workers_ignore_the_stop_signals():
 _CHILD = textwrap.dedent(
     """
     import sys
-    from ds_clip.preemption import LauncherWatch
+    from ds_clip.training.preemption import LauncherWatch
     watch = LauncherWatch()
     print(len(watch.chain), flush=True)
     sys.stdin.readline()  # the test killed the launcher

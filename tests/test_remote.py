@@ -34,9 +34,9 @@ import pytest
 import torch
 
 from ds_clip import checkpoint as ck
-from ds_clip import remote as rm
 from ds_clip.checkpoint.find import verify_resume
 from ds_clip.checkpoint.manifest import _listing, _manifest, first_mismatch
+from ds_clip.training import remote as rm
 from ds_clip_harness.models import E2E_MODEL
 from tests import launch
 from tests.launch import ROOT, VENV_BIN
@@ -262,7 +262,7 @@ def _s3fs(env: dict[str, str]):
 
 
 def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    from ds_clip.export import consolidated_state_dict
+    from ds_clip.export.openclip import consolidated_state_dict
 
     return consolidated_state_dict(run_dir / "checkpoints" / ck.tag_for(step))
 
@@ -452,7 +452,7 @@ def small_disk(tmp_path):
 def _checkpoint_mib(model: str) -> float:
     """One ZeRO-0 fp32 checkpoint of this model: weights + two Adam moments (12 bytes a parameter)."""
     from ds_clip.config import ModelSettings
-    from ds_clip.engine import build_model_bundle
+    from ds_clip.training.engine import build_model_bundle
 
     bundle = build_model_bundle(ModelSettings(model=model), seed=0)
     return sum(p.numel() for p in bundle.model.parameters()) * 12 / 2**20

@@ -101,7 +101,7 @@ def test_the_machine_path_pattern_catches_what_it_is_for():
         assert MACHINE_PATHS.search(path), path
     for text in (
         _TMP + "ds_clip_gpu_check", _TMP + "ds_clip_offline_proof/out", "~/.cache/huggingface/hub", "--logs <tmp>",
-        "torch.distributed", "a chroot/", "ds_clip/trainer.py", "--name run1 --logs ./logs",
+        "torch.distributed", "a chroot/", "ds_clip/training/trainer.py", "--name run1 --logs ./logs",
     ):  # fmt: skip
         assert not MACHINE_PATHS.search(text), text
     assert LOGGED_TMP.search(_TMP + "largest.json") and not LOGGED_TMP.search("<tmp>/logs")

@@ -14,7 +14,7 @@ import torch
 
 from ds_clip import checkpoint as ck
 from ds_clip.config import parse_settings
-from ds_clip.schedule import SCHEDULES, Schedule, build_scheduler, schedule_for
+from ds_clip.training.schedule import SCHEDULES, Schedule, build_scheduler, schedule_for
 from ds_clip_harness.groups import spawn_group
 from ds_clip_harness.models import E2E_MODEL
 
@@ -156,7 +156,7 @@ def _args(model: str, logs: Path, name: str, schedule: list[str]) -> list[str]:
 
 
 def _train(argv: list[str]) -> None:
-    from ds_clip.trainer import train
+    from ds_clip.training.trainer import train
 
     train(parse_settings(argv))
 

@@ -168,7 +168,7 @@ def _nothing_left(work: dict) -> None:
 
 
 def _final(work: dict, name: str) -> dict[str, torch.Tensor]:
-    from ds_clip.export import consolidated_state_dict
+    from ds_clip.export.openclip import consolidated_state_dict
 
     return consolidated_state_dict(work["logs"] / name / "checkpoints" / ck.tag_for(STEPS))
 

@@ -26,7 +26,7 @@ from ds_clip_harness.models import E2E_MODEL
 M, N, STEPS, SAVE_AT = 2, 8, 4, 2
 STAGES = (0, 1, 2, 3)
 PRECISIONS = ("fp32", "bf16")
-# The stage ds-clip-train picks without --zero-stage (ds_clip.ds_config.default_preset).
+# The stage ds-clip-train picks without --zero-stage (ds_clip.ds_config.resolve.default_preset).
 DEFAULT_STAGE = {("fp32", 1): 0, ("fp32", 2): 0, ("bf16", 1): 0, ("bf16", 2): 1}
 # Every saved stage resumed under every other one: (precision, saved on 1 rank, resumed on 2 ranks).
 MOVES = [(p, s, t) for p in PRECISIONS for s in STAGES for t in STAGES if s != t]
@@ -54,10 +54,10 @@ def _args(model: str, logs: Path, name: str, precision: str, zero: int | None, *
 
 
 def _train(argv: list[str]) -> dict[str, torch.Tensor] | None:
-    """One run of the real trainer, exactly as `ds-clip-train ARGV` runs it (``ds_clip.trainer.train``: build,
+    """One run of the real trainer, exactly as `ds-clip-train ARGV` runs it (``ds_clip.training.trainer.train``: build,
     then train); with --resume, the optimizer state the load left, read between the two."""
     from ds_clip.config import parse_settings
-    from ds_clip.trainer import Trainer
+    from ds_clip.training.trainer import Trainer
 
     trainer = Trainer(parse_settings(argv))
     loaded = _optimizer_state(trainer.engine) if "--resume" in argv else None
@@ -70,7 +70,7 @@ def _optimizer_state(engine) -> dict[str, torch.Tensor]:
     engine's names), the step count and each group's learning rate. A collective on ZeRO 1-3."""
     from deepspeed.utils import safe_get_full_optimizer_state
 
-    from ds_clip.clamp import full_fp32_master
+    from ds_clip.step.clamp import full_fp32_master
 
     opt = engine.optimizer
     base = getattr(opt, "optimizer", opt)  # the torch optimizer inside DeepSpeed's wrappers
@@ -147,7 +147,7 @@ def runs(tmp_path_factory) -> dict:
 
 
 def _final(logs: Path, name: str) -> dict[str, torch.Tensor]:
-    from ds_clip.export import consolidated_state_dict
+    from ds_clip.export.openclip import consolidated_state_dict
 
     return consolidated_state_dict(logs / name / "checkpoints" / ck.tag_for(STEPS))
 

@@ -1,4 +1,4 @@
-"""What the step refuses and what it costs the host, on the trainer's own engine (ds_clip.engine) over gloo.
+"""What the step refuses and what it costs the host, on the trainer's own engine (ds_clip.training.engine) over gloo.
 
 One 2-rank process group runs every case (a DeepSpeed start costs seconds here):
 - micro-batches of different sizes on different ranks: a clear error naming each rank's sizes, raised on
@@ -67,7 +67,7 @@ def _engine(model: str, *extra: str):
     import torch.distributed as dist
 
     from ds_clip.config import parse_settings
-    from ds_clip.engine import build_engine, build_model_bundle, resolve_run
+    from ds_clip.training.engine import build_engine, build_model_bundle, resolve_run
 
     s = parse_settings(["--model", model, "--batch-size", "2", "--workers", "0", *extra])
     bundle = build_model_bundle(s.model, seed=s.data.seed)
@@ -91,8 +91,8 @@ def _pairs(bundle, first: int, count: int):
 def _group(model: str, fp16_config: str | None) -> dict:
     import torch.distributed as dist
 
-    from ds_clip.step import cached_step
-    from ds_clip.step_checks import MicroBatchSizeError
+    from ds_clip.step.cached import cached_step
+    from ds_clip.step.checks import MicroBatchSizeError
 
     rank = dist.get_rank()
     out: dict = {}
@@ -177,9 +177,9 @@ def _own_engine_cases(model_name: str) -> dict:
     import torch.distributed as dist
 
     from ds_clip import ContrastiveLoss, LossSpec, cached_step, prepare_for_deepspeed, step_engine_config
-    from ds_clip.loss import LossConfigError
-    from ds_clip.model import build_model
-    from ds_clip.step_checks import EngineConfigError
+    from ds_clip.models.model import build_model
+    from ds_clip.step.checks import EngineConfigError
+    from ds_clip.step.loss import LossConfigError
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = {

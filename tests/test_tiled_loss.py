@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from open_clip.loss import ClipLoss, SigLipLoss
 
-from ds_clip.tiled_loss import clip_loss_tiled, siglip_loss_chunked
+from ds_clip.step.tiled_loss import clip_loss_tiled, siglip_loss_chunked
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -332,7 +332,7 @@ _MEMORY_PROBE = textwrap.dedent(
     import json, sys
     import torch
     from open_clip.loss import ClipLoss
-    from ds_clip.tiled_loss import clip_loss_tiled, distill_clip_loss_tiled, siglip_loss_chunked
+    from ds_clip.step.tiled_loss import clip_loss_tiled, distill_clip_loss_tiled, siglip_loss_chunked
     torch.set_num_threads(1)
 
     def status_bytes(key):
@@ -412,7 +412,7 @@ def test_memory_is_not_quadratic() -> None:
 def test_auto_switches_to_tiled_where_the_measured_curves_cross() -> None:
     """--loss-impl auto: the global CLIP loss is tiled from N = 128 on, --local-loss, SigLIP and distillation
     from N = 8192 on (docs/loss.md#where---loss-impl-auto-switches); explicit choices are kept."""
-    from ds_clip.loss import TILED_FROM_N, resolve_impl
+    from ds_clip.step.loss import TILED_FROM_N, resolve_impl
 
     assert TILED_FROM_N == {"clip": 128, "clip_local": 8192, "siglip": 8192, "distill": 8192}
     assert [resolve_impl("auto", n) for n in (64, 127, 128, 4096)] == ["dense", "dense", "tiled", "tiled"]

@@ -21,7 +21,7 @@ from ds_clip_harness.models import E2E_MODEL
 def _group(model: str) -> dict:
     import torchvision.transforms.functional as F
 
-    from ds_clip.step import cached_step
+    from ds_clip.step.cached import cached_step
     from tests.test_step_guards import _engine, _pairs
 
     out: dict = {}

@@ -1,4 +1,4 @@
-"""The one shard expander (ds_clip.urls.expand_shards) and its two callers.
+"""The one shard expander (ds_clip.sources.urls.expand_shards) and its two callers.
 
 Contract: braces, globs, "::" joining any mix of local paths, `file:` paths, `pipe:` commands and URLs;
 local sources must match files and brace lists must be complete; every error names the flag and the
@@ -15,7 +15,7 @@ import pytest
 from ds_clip.config import SettingsError, parse_settings
 from ds_clip.data.loader import DataError
 from ds_clip.data.wds import expand_urls
-from ds_clip.urls import ShardPatternError, expand_shards
+from ds_clip.sources.urls import ShardPatternError, expand_shards
 
 
 def _touch(folder: Path, *names: str) -> list[str]:

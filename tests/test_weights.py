@@ -1,4 +1,4 @@
-"""Where a run's weights come from (ds_clip.weights): one decision, its table case by case, on run folders as
+"""Where a run's weights come from (ds_clip.models.weights): one decision, its table case by case, on run folders as
 ``checkpoint.save`` leaves them. The weights end to end (a first start with --resume latest loads the published
 tower, under the launcher): tests/test_hub.py and tests/test_feature_pairs.py."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from ds_clip import checkpoint as ck
-from ds_clip import weights
 from ds_clip.checkpoint.manifest import _manifest
 from ds_clip.config import ModelSettings
+from ds_clip.models import weights
 from ds_clip_harness.models import E2E_MODEL, write_pretrained_dir
 
 

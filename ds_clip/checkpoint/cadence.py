@@ -160,7 +160,7 @@ class Checkpointer:
         """Load the checkpoint ``--resume`` names into the engine and the data position; returns the step to
         continue from. Whether there is one to load (``--resume latest`` before the run has a complete
         checkpoint starts from the model's own weights) is decided before the model is built
-        (``ds_clip.weights.agree_start``): this is called only when there is."""
+        (``ds_clip.models.weights.agree_start``): this is called only when there is."""
         state = load(
             self.engine,
             self.run_dir,

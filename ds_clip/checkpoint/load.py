@@ -325,7 +325,7 @@ def _stage0_to_universal(path: Path, meta: dict[str, Any], out: Path, flag: str)
 
 def _engine_shape(t: torch.Tensor) -> torch.Tensor:
     """fp32, with open_clip's 0-dim parameters (logit_scale, logit_bias) in the engine's shape [1]
-    (ds_clip.model.prepare_for_deepspeed): the shape DeepSpeed's universal load compares with."""
+    (ds_clip.models.model.prepare_for_deepspeed): the shape DeepSpeed's universal load compares with."""
     t = t.detach().float().clone()
     return t.reshape(1) if t.dim() == 0 else t
 

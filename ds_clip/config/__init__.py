@@ -11,7 +11,7 @@ choices, a unit, how the flag relates to open_clip's). `ds-clip-eval` builds its
 Precedence: command-line flag > recipe > the DeepSpeed JSON (`--ds-config`) > the defaults of the fields. The
 JSON's training keys (batch triple, clipping, optimizer, scheduler, precision) fill the fields whose flags were
 left at their defaults (`ds_json`); `TrainSettings.sources` records where each value came from, and
-`ds_clip.ds_config.resolve_deepspeed` writes the settings back into the JSON, "auto" keys included: it reads
+`ds_clip.ds_config.resolve.resolve_deepspeed` writes the settings back into the JSON, "auto" keys included: it reads
 `TrainSettings.deepspeed_request()` (the flags it needs) and the batch geometry, never the whole tree.
 
 The modules, each importing only those below it (import-linter, pyproject.toml):

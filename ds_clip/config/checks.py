@@ -22,10 +22,10 @@ from ds_clip.config.sections import (
     LossSettings,
     OptimSettings,
 )
+from ds_clip.ds_config.presets import OPTIMIZERS, PRECISION_NAMES
 from ds_clip.errors import SettingsError
 from ds_clip.geometry import divisibility_message
-from ds_clip.presets import OPTIMIZERS, PRECISION_NAMES
-from ds_clip.urls import ShardPatternError, expand_shards
+from ds_clip.sources.urls import ShardPatternError, expand_shards
 
 
 def need(ok: bool, message: str) -> None:

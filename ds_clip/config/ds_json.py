@@ -17,8 +17,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from ds_clip.errors import SettingsError
-from ds_clip.presets import (
+from ds_clip.ds_config.presets import (
     ONE_BIT_OPTIMIZERS,
     ONE_LR_SCHEDULERS,
     is_auto,
@@ -27,6 +26,7 @@ from ds_clip.presets import (
     preset_label,
     scheduler_block,
 )
+from ds_clip.errors import SettingsError
 
 _PER_GROUP_FLAGS = ("visual_lr", "text_lr", "visual_ld", "text_ld")
 

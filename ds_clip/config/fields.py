@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import MISSING, field
 from typing import Any
 
-from ds_clip.presets import DEEPSPEED_PRECISIONS
+from ds_clip.ds_config.presets import DEEPSPEED_PRECISIONS
 
 BUILTIN_MODELS = ("ds-clip-tiny", "ds-clip-tiny-siglip")
 PRECISIONS = DEEPSPEED_PRECISIONS  # what a parsed --precision holds (open_clip's names are mapped onto these)

@@ -13,7 +13,7 @@ from ds_clip.config.fields import BUILTIN_MODELS, LOCAL_DIR_PREFIX
 from ds_clip.config.flags import flag_named
 from ds_clip.config.sections import ModelSettings, TrainSettings
 from ds_clip.errors import SettingsError
-from ds_clip.hub import HF_HUB_PREFIX
+from ds_clip.sources.hub import HF_HUB_PREFIX
 
 
 def check_model(m: ModelSettings, *, resuming: bool = False) -> None:
@@ -41,7 +41,7 @@ def check_published(
     local = pretrained is not None and not is_published(pretrained) and Path(pretrained).expanduser().exists()
     if model in BUILTIN_MODELS and (not pretrained or local) and not image:
         return
-    from ds_clip import hub
+    from ds_clip.sources import hub
 
     if not hub.is_offline():
         return
@@ -107,7 +107,7 @@ _WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pth")
 def check_distill(s: TrainSettings) -> None:
     """--distill-model / --distill-pretrained: a teacher that exists and holds trained weights, and an
     objective open_clip defines a distillation for. (Whether it reads the student's images and tokens is
-    checked where both models are built: ds_clip.model.check_teacher_fits.)"""
+    checked where both models are built: ds_clip.models.model.check_teacher_fits.)"""
     m = s.model
     if m.distill_model is None:
         need(m.distill_pretrained is None, "--distill-pretrained needs --distill-model (the teacher)")
@@ -231,7 +231,7 @@ def check_pretrained(pretrained: str, flag: str = "--pretrained", *, model: str 
             f"{flag} {pretrained!r}: no such file or folder, and {model or 'this model'} has no open_clip tags "
             "(tags such as laion2b_s34b_b79k belong to open_clip model names: open_clip.list_pretrained())"
         )
-    from ds_clip import hub
+    from ds_clip.sources import hub
 
     if not hub.tag_cfg(model, pretrained):
         raise SettingsError(str(hub.unknown_tag(model, pretrained, flag)))

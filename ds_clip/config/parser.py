@@ -22,11 +22,11 @@ from ds_clip.config.answers import ANSWERED, Answered
 from ds_clip.config.ds_json import lift_ds_json
 from ds_clip.config.fields import LOCAL_DIR_PREFIX
 from ds_clip.config.flags import Flag, base_type, flag_named, flags
+from ds_clip.config.recipes import load_recipe
 from ds_clip.config.sections import TrainSettings
 from ds_clip.config.validation import validate
+from ds_clip.ds_config.presets import deepspeed_precision
 from ds_clip.errors import SettingsError
-from ds_clip.presets import deepspeed_precision
-from ds_clip.recipes import load_recipe
 from ds_clip.versions import versions_line
 
 
@@ -163,7 +163,9 @@ def parse_settings(argv: list[str] | None = None) -> TrainSettings:
     if values["ds_config"]:
         sources.update(lift_ds_json(values["ds_config"], values, lambda name: _chosen(name, values, sources)))
     if values["epochs"] is None and values["max_steps"] is None:
-        values["epochs"] = 1  # with --max-steps alone, it alone ends the run (ds_clip.schedule.RunLength)
+        values["epochs"] = (
+            1  # with --max-steps alone, it alone ends the run (ds_clip.training.schedule.RunLength)
+        )
     if values["accum_freq"] is None and values["global_batch_size"] is None:
         values["accum_freq"] = 1  # with --global-batch-size, k is derived at start from the world size
     if values["dataset_type"] in (None, "auto"):  # a .csv/.tsv file is csv, other data shards, none synthetic

@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from ds_clip.config.sections import TrainSettings
-from ds_clip.ds_config import ResolvedDeepSpeed, resolve_deepspeed
+from ds_clip.ds_config.presets import preset_label
+from ds_clip.ds_config.resolve import ResolvedDeepSpeed, resolve_deepspeed
 from ds_clip.errors import SettingsError
 from ds_clip.geometry import BatchGeometry, GeometryError
-from ds_clip.presets import preset_label
 
 
 def resolve_geometry(s: TrainSettings, world_size: int) -> BatchGeometry:

@@ -20,8 +20,8 @@ from ds_clip.config.fields import (
     LR_SCHEDULERS,
     opt,
 )
-from ds_clip.ds_rules import DeepSpeedRequest
-from ds_clip.presets import PRECISION_NAMES
+from ds_clip.ds_config.presets import PRECISION_NAMES
+from ds_clip.ds_config.rules import DeepSpeedRequest
 
 
 @dataclass
@@ -409,7 +409,7 @@ class CheckpointSettings:
 
 @dataclass
 class EmaSettings:
-    """ema: an exponential moving average of the weights, kept beside the fp32 master partitions (ds_clip.ema)."""
+    """ema: an exponential moving average of the weights, kept beside the fp32 master partitions (ds_clip.step.ema)."""
 
     ema_decay: float | None = opt(None, metavar="DECAY", default_text="off", open_clip="ds_clip only")
     """Keep an EMA of the weights with this decay, in (0, 1) (e.g. 0.9999): fp32, sharded like the master

@@ -3,7 +3,7 @@
 Cheap, and imports neither deepspeed nor torch.distributed, so a bad flag fails in a second, before any process
 group starts. Shard patterns and files are looked at; open_clip is imported only to check an unknown --model
 name or the keys of --aug-cfg. The DeepSpeed preset is resolved against the flags for a world size not known
-yet (ds_clip.ds_config.check_preset); the start resolves it again for the real one.
+yet (ds_clip.ds_config.resolve.check_preset); the start resolves it again for the real one.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ds_clip.config.checks import (
 from ds_clip.config.flags import flag_named
 from ds_clip.config.model_checks import check_distill, check_model, check_model_flags
 from ds_clip.config.sections import CheckpointSettings, LoggingSettings, TrainSettings
-from ds_clip.ds_config import check_preset
+from ds_clip.ds_config.resolve import check_preset
 from ds_clip.errors import SettingsError
 
 

@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         if Path(name).is_dir() and (Path(name) / "open_clip_config.json").is_file():
             name = f"local-dir:{name}"
         from ds_clip.config.model_checks import check_pretrained
-        from ds_clip.model import build_model, load_model_cfg
-        from ds_clip.weights import resolve_pretrained
+        from ds_clip.models.model import build_model, load_model_cfg
+        from ds_clip.models.weights import resolve_pretrained
 
         if args.pretrained:
             try:

@@ -59,7 +59,7 @@ def _check_table(s: EvalSettings) -> None:
 
 def _check_shards(s: EvalSettings) -> None:
     from ds_clip.data.wds import SkipCounter, decode_sample, expand_urls, iter_shard
-    from ds_clip.urls import is_local
+    from ds_clip.sources.urls import is_local
 
     local = [u for u in expand_urls(s.val_data, "--val-data") if is_local(u)]
     if not local:

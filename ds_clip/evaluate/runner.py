@@ -121,7 +121,7 @@ def evaluate(
 
 def engine_forward(engine) -> Forward:
     """The engine's top-level forward with inputs cast to its dtype (bf16/fp16 engines)."""
-    from ds_clip.step import input_dtype
+    from ds_clip.step.cached import input_dtype
 
     dtype = input_dtype(engine)
 

@@ -31,7 +31,7 @@ from ds_clip.data.synthetic import SyntheticCaptions, render_pair
 from ds_clip.data.wds import SkipCounter, expand_urls, iter_shard
 from ds_clip.geometry import BatchGeometry
 from ds_clip.shards import Sample, write_shards
-from ds_clip.step import normalize_images
+from ds_clip.step.cached import normalize_images
 from tests.data.tokens import byte_tokenizer, detok
 
 SIZE = 32  # transform output; synthetic pairs are rendered at 64 px, so every crop is a real resample

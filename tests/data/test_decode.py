@@ -27,7 +27,7 @@ from ds_clip.data.decode import BadImage, FastCrop
 from ds_clip.data.loader import DataSettings, build_train_data
 from ds_clip.geometry import BatchGeometry
 from ds_clip.shards import Sample, write_shards
-from ds_clip.step import normalize_images
+from ds_clip.step.cached import normalize_images
 from ds_clip_harness.webimages import web_image
 from tests.data.tokens import byte_tokenizer, detok
 

@@ -163,7 +163,7 @@ def _tag(step: int) -> str:
 
 
 def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    from ds_clip.export import consolidated_state_dict
+    from ds_clip.export.openclip import consolidated_state_dict
 
     return consolidated_state_dict(run_dir / "checkpoints" / _tag(step))
 
@@ -248,7 +248,7 @@ def test_one_nonfinite_step_is_skipped_on_every_rank_and_the_run_finishes(model_
     counts agree with the applied updates (docs/exactness.md, "Skipped steps: what counts"): samples_seen = step x N in every log
     row, skipped_steps 1 from then on, and the LR of every row is the schedule's value at that applied
     step (the skip did not advance it)."""
-    from ds_clip.schedule import cosine_with_warmup
+    from ds_clip.training.schedule import cosine_with_warmup
 
     ran = _deepspeed(_args(model_dir, tmp_path, "nan1", "--lr", "1e-3", steps=3), fault="nan@1:0,nan@1:1")
     assert ran.returncode == 0, ran.out[-4000:]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_clip import faults
-from ds_clip.trainer import Trainer
+from ds_clip.training import faults
+from ds_clip.training.trainer import Trainer
 
 
 class _Run:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ds_clip.data.base import DataError
 from ds_clip.data.wds.samples import open_url, split_name
-from ds_clip.urls import ShardPatternError, expand_shards
+from ds_clip.sources.urls import ShardPatternError, expand_shards
 
 logger = logging.getLogger("ds_clip.data")
 
@@ -32,7 +32,7 @@ def _local_path(url: str) -> str:
 
 
 def expand_urls(train_data: str, flag: str = "--train-data") -> list[str]:
-    """The shards of a --train-data/--val-data value: `ds_clip.urls.expand_shards` (braces, globs,
+    """The shards of a --train-data/--val-data value: `ds_clip.sources.urls.expand_shards` (braces, globs,
     "::", `pipe:`, `file:`, URLs; local shards must exist), its errors as DataError naming `flag`."""
     try:
         return expand_shards(train_data, flag)

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ds_clip.presets import (
+from ds_clip.ds_config.presets import (
     ONE_LR_SCHEDULERS,
     OPTIMIZERS,
     SettingsError,

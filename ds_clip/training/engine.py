@@ -16,15 +16,15 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ds_clip.caption import CaptionLoss, caption_loss_for
 from ds_clip.config import LossSettings, ModelSettings, OptimSettings, TrainSettings, resolve_geometry
 from ds_clip.distributed import accelerator_name
-from ds_clip.ds_config import ResolvedDeepSpeed, fill_start_keys, resolve_deepspeed
+from ds_clip.ds_config.resolve import ResolvedDeepSpeed, fill_start_keys, resolve_deepspeed
 from ds_clip.geometry import BatchGeometry
-from ds_clip.loss import ContrastiveLoss, LossSpec, resolve_impl
-from ds_clip.model import ModelBundle, Teacher, build_model, prepare_for_deepspeed
-from ds_clip.optim import format_groups, format_muon_split, param_groups_for, pin_muon_tags
-from ds_clip.schedule import build_scheduler, schedule_for
+from ds_clip.models.model import ModelBundle, Teacher, build_model, prepare_for_deepspeed
+from ds_clip.step.caption import CaptionLoss, caption_loss_for
+from ds_clip.step.loss import ContrastiveLoss, LossSpec, resolve_impl
+from ds_clip.training.optim import format_groups, format_muon_split, param_groups_for, pin_muon_tags
+from ds_clip.training.schedule import build_scheduler, schedule_for
 
 logger = logging.getLogger("ds_clip")
 
@@ -59,11 +59,11 @@ def build_model_bundle(
 
     Published weights, configs and tokenizers (--pretrained TAG, hf-hub: models, ...) come from the cache: with
     ``local_rank`` given (every rank of a run calls this), local rank 0 of each host fetches what its cache lacks
-    while the others wait (``fetch_once_per_host``). ``load_published`` False (``ds_clip.weights`` decided the run
+    while the others wait (``fetch_once_per_host``). ``load_published`` False (``ds_clip.models.weights`` decided the run
     continues from a checkpoint, which holds the weights): no published weights are fetched or loaded."""
     from ds_clip.config import aug_cfg_dict
-    from ds_clip.model import ImageOptions, TowerLocks
-    from ds_clip.weights import resolve_pretrained
+    from ds_clip.models.model import ImageOptions, TowerLocks
+    from ds_clip.models.weights import resolve_pretrained
 
     if local_rank is not None:
         fetch_once_per_host(m, is_fetcher=local_rank == 0, load_weights=load_published)
@@ -109,11 +109,12 @@ def build_model_bundle(
 
 def fetch_once_per_host(m: ModelSettings, *, is_fetcher: bool, load_weights: bool = True) -> None:
     """Fill each host's cache once: local rank 0 fetches the published files of the student and the teacher
-    that the cache lacks (open_clip's own loaders, through ds_clip.hub.fetch) while every other rank waits in
+    that the cache lacks (open_clip's own loaders, through ds_clip.sources.hub.fetch) while every other rank waits in
     one all-gather; then every rank knows whether each host's fetch worked, and all build from the cache with
     no network call. Every rank calls it (a collective), whatever its host. Offline (HF_HUB_OFFLINE) nothing is
     fetched: validation has already refused a cache that lacks a file. The wait is bounded by --dist-timeout."""
-    from ds_clip import distributed, hub
+    from ds_clip import distributed
+    from ds_clip.sources import hub
 
     def needs_now() -> list[hub.Need]:
         return hub.run_needs(
@@ -155,8 +156,8 @@ def build_teacher(m: ModelSettings, student: ModelBundle, *, seed: int) -> Teach
     stream."""
     import torch
 
-    from ds_clip.model import check_teacher_fits
-    from ds_clip.weights import resolve_pretrained
+    from ds_clip.models.model import check_teacher_fits
+    from ds_clip.models.weights import resolve_pretrained
 
     name = m.distill_model
     if name is None:
@@ -215,12 +216,12 @@ def build_engine(
         model=bundle.model, model_parameters=groups, config=ds_json, lr_scheduler=lr_scheduler
     )
     if model.torchcompile:  # after initialize: DeepSpeed wraps (and ZeRO hooks) the uncompiled module
-        from ds_clip.model import compile_engine
+        from ds_clip.models.model import compile_engine
 
         compile_engine(engine)
     _choose_gradient_reduction(engine, geometry)
     if teacher is not None:
-        from ds_clip.step import input_dtype
+        from ds_clip.step.cached import input_dtype
 
         teacher.to(engine.device, input_dtype(engine))
     loss_fn = ContrastiveLoss(

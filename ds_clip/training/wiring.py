@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
-from ds_clip import ema as ema_mod
-from ds_clip.clamp import clamp_logit_scale
 from ds_clip.config import TrainSettings
-from ds_clip.ds_config import ResolvedDeepSpeed
-from ds_clip.engine import BuiltEngine, build_engine, build_model_bundle, resolve_run
+from ds_clip.ds_config.resolve import ResolvedDeepSpeed
 from ds_clip.geometry import BatchGeometry
-from ds_clip.model import ModelBundle
-from ds_clip.step import StepResult, cached_step, micro_batch_seed
-from ds_clip.step_checks import UntrainedOutputError
+from ds_clip.models.model import ModelBundle
+from ds_clip.step import ema as ema_mod
+from ds_clip.step.cached import StepResult, cached_step, micro_batch_seed
+from ds_clip.step.checks import UntrainedOutputError
+from ds_clip.step.clamp import clamp_logit_scale
+from ds_clip.training.engine import BuiltEngine, build_engine, build_model_bundle, resolve_run
 
 ImageNormalize = tuple[Sequence[float], Sequence[float]]
 

@@ -2,7 +2,7 @@
 as a transformers CLIPModel or SiglipModel folder, each with a model card (README.md) ready for the hub.
 
     ds-clip-export logs/RUN/checkpoints/step_00001000 OUT     # or logs/RUN (its latest complete checkpoint)
-    ds-clip-export logs/RUN OUT --format transformers         # CLIPModel or SiglipModel, tokenizer, processor (hf_export)
+    ds-clip-export logs/RUN OUT --format transformers         # CLIPModel or SiglipModel, tokenizer, processor (hf_clip)
     hf upload YOUR_ORG/YOUR_MODEL OUT . --repo-type model     # the hub's own upload, printed by the export
 
 OUT gets ``open_clip_config.json`` ({"model_cfg", "preprocess_cfg"}) and ``open_clip_model.safetensors``:
@@ -11,7 +11,7 @@ OUT gets ``open_clip_config.json`` ({"model_cfg", "preprocess_cfg"}) and ``open_
     open_clip.create_model_and_transforms(NAME, pretrained="OUT/open_clip_model.safetensors")  # a named one
     ds-clip-train --model local-dir:OUT ...   or   --model NAME --pretrained OUT   (fine-tuning)
 
-``--ema``: the weight EMA of a run trained with ``--ema-decay`` (ds_clip.ema; its per-rank files assembled).
+``--ema``: the weight EMA of a run trained with ``--ema-decay`` (ds_clip.step.ema; its per-rank files assembled).
 
 ZeRO-1/2/3 checkpoints are consolidated with DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``
 (the fp32 master weights, not the bf16 working copy); ZeRO-0 fp32 keeps the whole model in its
@@ -29,13 +29,13 @@ from pathlib import Path
 
 import torch
 
-from ds_clip import hf_export
 from ds_clip.checkpoint import POINTER, CheckpointError, read_meta, resolve, safe_load
 from ds_clip.config import Parser, add_flags
-from ds_clip.ema import full_state_from_files
 from ds_clip.errors import UserError
-from ds_clip.model_card import hub_upload_command, write_card
-from ds_clip.weights import WEIGHTS_FILE, resolve_pretrained  # noqa: F401 - the import path users rely on
+from ds_clip.export import hf_clip
+from ds_clip.export.model_card import hub_upload_command, write_card
+from ds_clip.models.weights import WEIGHTS_FILE, resolve_pretrained  # noqa: F401 - the import path users rely on
+from ds_clip.step.ema import full_state_from_files
 
 CONFIG_FILE = "open_clip_config.json"
 # What marks a folder as holding an export of either format (--overwrite replaces it).
@@ -130,7 +130,7 @@ def export(
     """Write the export of ``checkpoint`` into OUT and return OUT: with ``fmt`` "open_clip", open_clip_config.json and
     open_clip_model.safetensors (and, for a model whose tokenizer lives on the hub, that tokenizer's files: open_clip
     reads a local-dir: model's tokenizer from its folder); with "transformers", transformers' CLIPModel folder, or
-    SiglipModel for the SigLIP architecture (ds_clip.hf_export, ds_clip.hf_siglip). Both get a model card, README.md (ds_clip.model_card). ``ema``: the weight EMA of the
+    SiglipModel for the SigLIP architecture (ds_clip.export.hf_clip, ds_clip.export.hf_siglip). Both get a model card, README.md (ds_clip.export.model_card). ``ema``: the weight EMA of the
     trained parameters (--ema-decay) in place of their live values; buffers and frozen parameters, which no optimizer
     moves, are the live ones. A model transformers cannot represent, or a missing transformers, is refused before
     anything is written; so is an OUT that already holds an export, unless ``overwrite`` (as ds-clip-shards refuses
@@ -143,7 +143,7 @@ def export(
     if held and not overwrite:
         raise ExportError(f"{out} already holds an export ({held[0]}); pass --overwrite to replace it")
     if fmt == "transformers":
-        hf_export.require_transformers()
+        hf_clip.require_transformers()
     path = _resolve_export_source(checkpoint)
     meta = read_meta(path)
     model_cfg = meta.get("model_cfg")
@@ -153,7 +153,7 @@ def export(
         )
     preprocess_cfg = meta.get("preprocess_cfg") or {}
     if fmt == "transformers":
-        hf_export.check_mappable(model_cfg, preprocess_cfg)
+        hf_clip.check_mappable(model_cfg, preprocess_cfg)
     model = build_open_clip_model(model_cfg, meta.get("preprocess_cfg"))
     averaged = full_state_from_files(path) if ema else {}  # first: a checkpoint without one fails at once
     state = consolidated_state_dict(path)
@@ -162,14 +162,14 @@ def export(
     text_cfg = model_cfg.get("text_cfg") or {}
     hf_tokenizer = _hf_tokenizer(text_cfg, cache_dir) if text_cfg.get("hf_tokenizer_name") else None
     built = (
-        hf_export.build_transformers(state, model_cfg, preprocess_cfg, hf_tokenizer)
+        hf_clip.build_transformers(state, model_cfg, preprocess_cfg, hf_tokenizer)
         if fmt == "transformers"
         else None
     )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if built is not None:
-        hf_export.save_transformers(out, built)
+        hf_clip.save_transformers(out, built)
     else:
         (out / CONFIG_FILE).write_text(
             json.dumps({"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg}, indent=1)
@@ -188,7 +188,7 @@ def export(
         out, meta=meta, checkpoint=path, fmt=fmt, command=shlex.join([*command, "--format", fmt]),
         weights=f"weight EMA (--ema-decay {meta.get('settings', {}).get('ema_decay')})" if ema else "trained weights",
         logit_scale=float(state["logit_scale"]) if "logit_scale" in state else None,
-        logit_bias=float(bias) if bias is not None else None, hf_class=hf_export.target(model_cfg),
+        logit_bias=float(bias) if bias is not None else None, hf_class=hf_clip.target(model_cfg),
     )  # fmt: skip
     return out
 
@@ -207,7 +207,7 @@ def _resolve_export_source(checkpoint: str) -> Path:
 def _hf_tokenizer(text_cfg: dict, cache_dir: str | None):
     """open_clip's HFTokenizer of ``text_cfg`` (its hf_tokenizer_name, context length and tokenizer_kwargs): a
     local folder as it is, a hub tokenizer from the cache (fetched when missing and allowed)."""
-    from ds_clip import hub
+    from ds_clip.sources import hub
 
     name = text_cfg["hf_tokenizer_name"]
     if not Path(name).expanduser().is_dir():

@@ -16,7 +16,7 @@ One plan, three hooks, all set once at start by ``install(trainer)`` and only wh
 normal run pays one ``is None`` check per step, per evaluation read and per save: ``Trainer.before_step``
 ("nan", "kill"), ``Evaluator.before_read`` ("eval-error") and ``Checkpointer.save_hook`` ("kill-in-save", at the
 save's "after_shards" point: between the rank files and the completion marker). Only the trainer's start
-(``ds_clip.trainer.train``) imports this module.
+(``ds_clip.training.trainer.train``) imports this module.
 """
 
 from __future__ import annotations

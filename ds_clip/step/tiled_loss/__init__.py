@@ -16,7 +16,7 @@ Everything runs in fp32 (float64 if an input is float64, which the gradcheck tes
 the input dtype: bf16/fp16 embeddings are up-cast one block at a time, and the gradients are cast
 back to each input's dtype at the end.
 
-The functions are pure (no communication): ``ds_clip/loss.py`` gathers columns across ranks and
+The functions are pure (no communication): ``ds_clip/step/loss.py`` gathers columns across ranks and
 calls them. Rows and columns may be the same tensor or columns may contain the rows (a
 concatenation of gathered features): every input gets its own gradient and autograd adds them.
 
@@ -25,9 +25,9 @@ Modules: ``clip`` (``clip_loss_tiled``), ``siglip`` (``siglip_loss_chunked``), `
 ``blocks`` (spans, positives, dtypes, accumulators, input checks).
 """
 
-from ds_clip.tiled_loss.blocks import DEFAULT_TILE_SIZE
-from ds_clip.tiled_loss.clip import clip_loss_tiled
-from ds_clip.tiled_loss.distill import distill_clip_loss_tiled
-from ds_clip.tiled_loss.siglip import siglip_loss_chunked
+from ds_clip.step.tiled_loss.blocks import DEFAULT_TILE_SIZE
+from ds_clip.step.tiled_loss.clip import clip_loss_tiled
+from ds_clip.step.tiled_loss.distill import distill_clip_loss_tiled
+from ds_clip.step.tiled_loss.siglip import siglip_loss_chunked
 
 __all__ = ["DEFAULT_TILE_SIZE", "clip_loss_tiled", "distill_clip_loss_tiled", "siglip_loss_chunked"]

@@ -1,4 +1,4 @@
-"""open_clip models made ready for a DeepSpeed engine (their optimizer groups: ds_clip.optim).
+"""open_clip models made ready for a DeepSpeed engine (their optimizer groups: ds_clip.training.optim).
 
 Everything model-shaped comes from open_clip (architectures, tokenizers, transforms); this module only
 adds what DeepSpeed 0.19.x needs to hold an open_clip model correctly:
@@ -28,7 +28,7 @@ from torch import nn
 
 from ds_clip.errors import UserError
 
-BUILTIN_CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
+BUILTIN_CONFIG_DIR = Path(__file__).resolve().parents[1] / "model_configs"
 # Registered with open_clip so the built-in names work anywhere open_clip resolves model names.
 open_clip.add_model_config(BUILTIN_CONFIG_DIR)
 BUILTIN_MODELS = sorted(p.stem for p in BUILTIN_CONFIG_DIR.glob("*.json"))
@@ -100,7 +100,7 @@ def load_model_cfg(name: str, cache_dir: str | None = None) -> dict:
     if name.startswith("hf-hub:"):
         from open_clip.factory import _get_hf_config
 
-        from ds_clip.hub import offline
+        from ds_clip.sources.hub import offline
 
         with offline():
             return _get_hf_config(name[len("hf-hub:") :], cache_dir=cache_dir)["model_cfg"]
@@ -160,11 +160,11 @@ def build_model(
 
     Published weights (``pretrained`` an open_clip tag, ``hf-hub:ORG/REPO`` or a URL; ``name`` an ``hf-hub:``
     model; ``pretrained_image``: timm's weights for the image tower) and hub tokenizers are fetched into
-    ``cache_dir`` by open_clip's own loaders when the cache lacks them (``ds_clip.hub.fetch``; a trainer fetches
+    ``cache_dir`` by open_clip's own loaders when the cache lacks them (``ds_clip.sources.hub.fetch``; a trainer fetches
     once per host before this), then the model is built from the cache with no network call. ``load_weights``
     False (a resumed run, whose checkpoint holds the weights) fetches and loads no weights at all.
     """
-    from ds_clip import hub
+    from ds_clip.sources import hub
 
     _ensure_cached(name, pretrained, cache_dir, pretrained_image, load_weights)
     if seed is not None:
@@ -192,7 +192,7 @@ def _ensure_cached(
 ) -> None:
     """Every published file the model needs is in the cache: fetched by open_clip's loaders when it is not
     (nothing when it is), or, offline, refused in one line naming the file and the command that fills it."""
-    from ds_clip import hub
+    from ds_clip.sources import hub
 
     def needs_now() -> list[hub.Need]:
         return hub.model_needs(
@@ -219,7 +219,7 @@ def _create_kwargs(
     load_weights: bool,
 ) -> dict[str, Any]:
     """open_clip.create_model_and_transforms's keyword arguments, as open_clip_train passes them."""
-    from ds_clip import hub
+    from ds_clip.sources import hub
 
     # Resumed (load_weights False): no tower weights either (timm's, a Hugging Face text tower's); the
     # checkpoint restores every parameter.
@@ -278,7 +278,7 @@ def _tokenizer(name: str, context_length: int | None, cache_dir: str | None = No
     # (SimpleTokenizer only memoises words), so a process that builds many engines (the test harness, the
     # benchmarks, evaluation) shares one per model name and context length. A hub tokenizer (hf_tokenizer_name)
     # is read from the cache build_model filled: no network call.
-    from ds_clip.hub import offline
+    from ds_clip.sources.hub import offline
 
     if name in BUILTIN_MODELS:
         # open_clip picks a tokenizer by name when the config names none: "siglip" in ds-clip-tiny-siglip would
@@ -294,7 +294,7 @@ def _local_weights(pretrained: str, cache_dir: str | None) -> str:
     cache: build_model fetched it)."""
     from open_clip.pretrained import download_pretrained_from_hf, download_pretrained_from_url
 
-    from ds_clip.hub import HF_HUB_PREFIX, offline
+    from ds_clip.sources.hub import HF_HUB_PREFIX, offline
 
     with offline():
         if pretrained.startswith(HF_HUB_PREFIX):

@@ -19,10 +19,9 @@ from torch import nn
 from torch.profiler import record_function
 
 from ds_clip import distributed
-from ds_clip.caption import CaptionLoss
-from ds_clip.loss import ContrastiveLoss, TeacherFeatures
-from ds_clip.model import Teacher, frozen_towers
-from ds_clip.step_checks import (
+from ds_clip.models.model import Teacher, frozen_towers
+from ds_clip.step.caption import CaptionLoss
+from ds_clip.step.checks import (
     EngineConfigError,
     MicroBatchSizeError,
     UntrainedOutputError,
@@ -31,6 +30,7 @@ from ds_clip.step_checks import (
     check_outputs,
     check_step_call,
 )
+from ds_clip.step.loss import ContrastiveLoss, TeacherFeatures
 
 __all__ = [
     # The step.
@@ -39,7 +39,7 @@ __all__ = [
     "frozen_batchnorm_stats",
     "input_dtype",
     "micro_batch_seed",
-    # Its refusals, defined in ds_clip.step_checks (re-exported: ``from ds_clip.step import ...`` keeps working).
+    # Its refusals, defined in ds_clip.step.checks (re-exported: ``from ds_clip.step import ...`` keeps working).
     "EngineConfigError",
     "MicroBatchSizeError",
     "UntrainedOutputError",
@@ -472,7 +472,7 @@ def cached_step(
     the recompute).
 
     ``caption`` (CoCa models, ``BuiltEngine.caption_fn``): the objective becomes
-    ``caption.contrastive_weight`` x the contrastive loss + the caption term of ``ds_clip.caption``.
+    ``caption.contrastive_weight`` x the contrastive loss + the caption term of ``ds_clip.step.caption``.
 
     ``teacher`` (--distill-model; the loss must distil): embeds each micro-batch once, in phase 1 under no_grad
     (micro-batch 0 too, never in the recompute); its embeddings enter the loss as constants.

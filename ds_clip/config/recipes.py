@@ -1,4 +1,4 @@
-"""Training recipes shipped with ds_clip (ds_clip/recipes/*.json): published runs that fix the global batch N.
+"""Training recipes shipped with ds_clip (ds_clip/config/recipes/*.json): published runs that fix the global batch N.
 
     load_recipe("datacomp-medium")        # a shipped recipe, by name
     load_recipe("path/to/mine.json")      # a recipe of the user's own
@@ -7,7 +7,7 @@ A recipe file is {"description": ..., "source": ..., "settings": {FIELD: VALUE, 
 the flags' dests (``global_batch_size``, ``lr``, ``warmup``...), as settings.json writes them. It never sets m,
 W or k: N is fixed and k = N / (W*m) follows from the world size the job gets, so one recipe runs on any
 number of GPUs. ds_clip.config applies it under the command line (flags given there win, except another N)
-and checks every key and value against the flags. A low module just above ds_clip.presets, whose loader of
+and checks every key and value against the flags. A low module just above ds_clip.ds_config.presets, whose loader of
 shipped JSON files it shares (their files sit side by side in the wheel).
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 from importlib.resources import files
 from typing import Any
 
+from ds_clip.ds_config.presets import load_shipped_json
 from ds_clip.errors import SettingsError
-from ds_clip.presets import load_shipped_json
 
 RECIPE_DIR = files("ds_clip") / "recipes"
 
@@ -28,7 +28,7 @@ def list_recipes() -> list[str]:
 
 
 def load_recipe(name_or_path: str) -> dict[str, Any]:
-    """A recipe name (ds_clip/recipes/<name>.json) or a path ending .json -> the recipe object, its "settings"
+    """A recipe name (ds_clip/config/recipes/<name>.json) or a path ending .json -> the recipe object, its "settings"
     a dict. SettingsError naming --recipe for a missing file, bad JSON or a missing "settings" object."""
     _, data = load_shipped_json(
         name_or_path, RECIPE_DIR, flag="--recipe", kind="a shipped recipe", shipped=list_recipes

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from ds_clip.tiled_loss.blocks import (
+from ds_clip.step.tiled_loss.blocks import (
     DEFAULT_TILE_SIZE,
     blocks,
     check_common,
@@ -16,7 +16,7 @@ from ds_clip.tiled_loss.blocks import (
     two_way_accumulators,
     two_way_grads,
 )
-from ds_clip.tiled_loss.softmax import TeacherRows, row_grad_accumulate, row_lse
+from ds_clip.step.tiled_loss.softmax import TeacherRows, row_grad_accumulate, row_lse
 
 
 def _teacher_weighted_logits(

@@ -138,6 +138,6 @@ class CaptionLoss:
     def grad_coef(self, global_sum_and_count: torch.Tensor, world_size: int) -> torch.Tensor:
         """Factor on a micro-batch's token-loss sum in its surrogate: weight / (global token count), times W
         to undo DeepSpeed's average over ranks (each rank pushes only its own captions' part, as for the
-        encoder term of the plain global gather in ``ds_clip.loss``)."""
+        encoder term of the plain global gather in ``ds_clip.step.loss``)."""
         count = global_sum_and_count[1].clamp(min=1)
         return (self.caption_weight * world_size / count).float()

@@ -9,7 +9,7 @@ import torch
 
 from ds_clip import distributed
 from ds_clip.errors import UserError
-from ds_clip.loss import ContrastiveLoss, LossConfigError
+from ds_clip.step.loss import ContrastiveLoss, LossConfigError
 
 
 class MicroBatchSizeError(UserError):

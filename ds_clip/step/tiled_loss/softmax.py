@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_clip.tiled_loss.blocks import blocks, diagonal, exp_, online_lse_update
+from ds_clip.step.tiled_loss.blocks import blocks, diagonal, exp_, online_lse_update
 
 
 def row_lse(

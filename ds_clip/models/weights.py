@@ -144,5 +144,5 @@ def resolve_pretrained(pretrained: str | None) -> str | None:
                 f"--pretrained {pretrained}: no {WEIGHTS_FILE} (or other weights) in that folder"
             )
         return str(found)
-    # A tag, hf-hub:ORG/REPO or URL passes through unchanged (open_clip and ds_clip.hub resolve it).
+    # A tag, hf-hub:ORG/REPO or URL passes through unchanged (open_clip and ds_clip.sources.hub resolve it).
     return str(p) if p.exists() else pretrained

@@ -59,7 +59,7 @@ class LossSpec:
     gather_with_grad: bool = False
     """All-gather whose backward sends gradients back to the owning rank (open_clip's --gather-with-grad)."""
     impl: str = "dense"
-    """'dense' (open_clip's own loss classes, N×N logits) or 'tiled' (ds_clip.tiled_loss, O(tile·N) memory)."""
+    """'dense' (open_clip's own loss classes, N×N logits) or 'tiled' (ds_clip.step.tiled_loss, O(tile·N) memory)."""
     tile_size: int = 4096
     """Rows/columns per tile for impl='tiled'."""
     distill: bool = False
@@ -210,7 +210,7 @@ class ContrastiveLoss:
         )
 
     def _tiled_distill(self, image, text, scale, t_image, t_text, t_scale):
-        from ds_clip import tiled_loss
+        from ds_clip.step import tiled_loss
 
         tile = self.spec.tile_size
         if self.world_size == 1:
@@ -236,7 +236,7 @@ class ContrastiveLoss:
         )  # fmt: skip
 
     def _tiled(self, image, text, scale, bias):
-        from ds_clip import tiled_loss
+        from ds_clip.step import tiled_loss
 
         tile = self.spec.tile_size
         if self.spec.siglip:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from ds_clip.tiled_loss.blocks import (
+from ds_clip.step.tiled_loss.blocks import (
     DEFAULT_TILE_SIZE,
     EXP_FLOOR_ABS,
     blocks,

@@ -3,7 +3,7 @@ batch, train one step (``ds_clip.step``), then let each component act on its own
 logs (``metrics.StepMeter``), the checkpointer saves (``checkpoint.Checkpointer``), the evaluator evaluates
 (``evaluate.Evaluator``), the skip policy counts skipped updates, the stop request saves and exits.
 
-Shape of a run: settings -> resolved DeepSpeed JSON -> model, data -> engine and step (``ds_clip.run``, the wiring
+Shape of a run: settings -> resolved DeepSpeed JSON -> model, data -> engine and step (``ds_clip.training.wiring``, the wiring
 the equivalence harness and the benchmarks share) -> resume -> loop.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ds_clip import checkpoint, distributed, ema, evaluate, faults, remote, weights
+from ds_clip import checkpoint, distributed, evaluate
 from ds_clip.checkpoint import Checkpointer
 from ds_clip.checkpoint.layout import param_shapes
 from ds_clip.checkpoint.save import check_output_space, check_shared_run_folder, check_writable
@@ -35,18 +35,21 @@ from ds_clip.config import (
 )
 from ds_clip.data import StepBatch, build_train_data
 from ds_clip.distributed import DistInfo, init_distributed
-from ds_clip.ds_config import write_run_files
-from ds_clip.engine import build_model_bundle, resolve_run
+from ds_clip.ds_config.presets import precision_mapping_text
+from ds_clip.ds_config.resolve import write_run_files
 from ds_clip.errors import RunError
 from ds_clip.evaluate import Evaluator
-from ds_clip.metrics import MetricsWriter, StepMeter
-from ds_clip.model import ModelBundle, check_tokenizer_fits
-from ds_clip.model_card import COMMAND_FILE, launch_command
-from ds_clip.preemption import StopRequest
-from ds_clip.presets import precision_mapping_text
-from ds_clip.run import build_step
-from ds_clip.schedule import RunLength, warmup_warning
-from ds_clip.step import StepResult
+from ds_clip.export.model_card import COMMAND_FILE, launch_command
+from ds_clip.models import weights
+from ds_clip.models.model import ModelBundle, check_tokenizer_fits
+from ds_clip.step import ema
+from ds_clip.step.cached import StepResult
+from ds_clip.training import faults, remote
+from ds_clip.training.engine import build_model_bundle, resolve_run
+from ds_clip.training.metrics import MetricsWriter, StepMeter
+from ds_clip.training.preemption import StopRequest
+from ds_clip.training.schedule import RunLength, warmup_warning
+from ds_clip.training.wiring import build_step
 from ds_clip.versions import versions_line
 
 logger = logging.getLogger("ds_clip")
@@ -135,7 +138,7 @@ class Trainer:
         # Before the model and the engine: an unusable remote, or a checkpoint whose bytes changed since its
         # save, is one line (exit 2); a newer checkpoint on the remote is pulled for --resume latest.
         self.remote_sync = remote.start_sync(s.checkpoint, run_dir)
-        # Where the weights come from (ds_clip.weights), decided once for every rank: a checkpoint to continue
+        # Where the weights come from (ds_clip.models.weights), decided once for every rank: a checkpoint to continue
         # from, or the model's published/local weights (also for --resume latest with nothing saved yet).
         self.start = start = weights.agree_start(run_dir, s.checkpoint.resume, is_main=info.is_main)
         if start.checkpoint is not None:

@@ -1,4 +1,4 @@
-"""What ds_clip's two transformers exports share (ds_clip.hf_export: ``CLIPModel``; ds_clip.hf_siglip:
+"""What ds_clip's two transformers exports share (ds_clip.export.hf_clip: ``CLIPModel``; ds_clip.export.hf_siglip:
 ``SiglipModel``): open_clip's text transformer blocks in transformers' encoder-layer names (both classes name their
 layers alike), the block options neither class has, and the one-line refusal of what does not map."""
 

@@ -3,12 +3,12 @@ the processor.
 
     ds-clip-export logs/RUN OUT --format transformers
     CLIPModel.from_pretrained(OUT), AutoModel, CLIPVisionModel, CLIPTextModel, AutoTokenizer, AutoProcessor
-    (a SigLIP-architecture model: SiglipModel, SiglipVisionModel, SiglipTextModel; ds_clip.hf_siglip)
+    (a SigLIP-architecture model: SiglipModel, SiglipVisionModel, SiglipTextModel; ds_clip.export.hf_siglip)
 
 The format follows the model's architecture, not its loss: open_clip's own towers (a ViT with a class token, a
 causal text transformer) map to ``CLIPModel`` (this module); the SigLIP architecture of open_clip's SigLIP configs
 (a timm ``vit_*_siglip_*`` tower, a bidirectional text tower pooled at its last position, a Hugging Face tokenizer)
-maps to ``SiglipModel`` (ds_clip.hf_siglip); ``target`` says which, and ``unmappable`` names what maps to neither.
+maps to ``SiglipModel`` (ds_clip.export.hf_siglip); ``target`` says which, and ``unmappable`` names what maps to neither.
 
 The key mapping is ds_clip's own, written after transformers' converters from OpenAI/open_clip-style state
 dicts (``models/clip/convert_clip_original_pytorch_to_hf.py``, ``models/metaclip_2/convert_metaclip_2_to_hf.py``):
@@ -44,9 +44,9 @@ from typing import Any
 
 import torch
 
-from ds_clip import hf_siglip
 from ds_clip.errors import UserError
-from ds_clip.hf_towers import (
+from ds_clip.export import hf_siglip
+from ds_clip.export.hf_towers import (
     RESAMPLE,
     UnmappableError,
     block_problem,
@@ -120,7 +120,7 @@ def _text_problem(t: dict) -> str | None:
 
 def target(model_cfg: dict) -> str:
     """The transformers class this open_clip model maps to: ``SiglipModel`` for the SigLIP architecture (a timm
-    image tower, ds_clip.hf_siglip), else ``CLIPModel`` (open_clip's own towers, whatever the loss trained them)."""
+    image tower, ds_clip.export.hf_siglip), else ``CLIPModel`` (open_clip's own towers, whatever the loss trained them)."""
     return hf_siglip.TARGET if hf_siglip.is_siglip_architecture(model_cfg) else "CLIPModel"
 
 

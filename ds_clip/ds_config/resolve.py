@@ -1,4 +1,4 @@
-"""DeepSpeed JSON: a preset (ds_clip.presets, engine settings only) + the run's flags -> resolved config.
+"""DeepSpeed JSON: a preset (ds_clip.ds_config.presets, engine settings only) + the run's flags -> resolved config.
 
     ds = resolve_deepspeed(settings.deepspeed_request(), geometry, accelerator="cuda")   # once, at start
     ds.config, ds.preset, ds.default_reason, ds.coalesce_fallback        # what the engine and the logs read
@@ -11,7 +11,7 @@ value is fine. No deepspeed import here: presets are checked before any process 
 import of ds_clip.config (which imports this module to check the preset): the resolution takes the flags it
 reads (``DeepSpeedRequest``) and the batch geometry (``ds_clip.geometry.BatchGeometry``), not the settings tree.
 
-Each rule is one function of ds_clip.ds_rules (batch keys, ZeRO stage and offload, precision, clipping,
+Each rule is one function of ds_clip.ds_config.rules (batch keys, ZeRO stage and offload, precision, clipping,
 optimizer, coalescing, the step's keys). ``resolve_deepspeed`` applies them to a preset and the flags;
 ``step_engine_config`` applies the ones that concern a user's own config to it, so the two agree.
 """
@@ -24,7 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ds_clip.ds_rules import (
+from ds_clip.ds_config.presets import (
+    PRESET_DIR,
+    SettingsError,
+    is_auto,
+    list_presets,
+    load_preset,
+    preset_label,
+)
+from ds_clip.ds_config.rules import (
     COALESCE_ENGINE_KEYS,
     STEP_ENGINE_KEYS,
     USER_SOURCE,
@@ -55,7 +63,6 @@ from ds_clip.ds_rules import (
     zero_stage,
 )
 from ds_clip.geometry import BatchGeometry
-from ds_clip.presets import PRESET_DIR, SettingsError, is_auto, list_presets, load_preset, preset_label
 
 # ---------------------------------------------------------------------------------- what runs where
 
@@ -494,7 +501,7 @@ def write_run_files(
 
 
 __all__ = [
-    "PRESET_DIR",  # re-exported from ds_clip.presets, where the preset files are found
+    "PRESET_DIR",  # re-exported from ds_clip.ds_config.presets, where the preset files are found
     "COALESCE_ENGINE_KEYS",
     "STEP_ENGINE_KEYS",
     "DeepSpeedRequest",

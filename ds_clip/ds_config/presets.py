@@ -45,7 +45,7 @@ PRECISION_NAMES = tuple(PRECISION_MAP)
 # --opt: the optimizers DeepSpeed builds from the "optimizer" block of its JSON (so ZeRO partitions them and
 # offload runs them on the CPU), by ds_clip name -> DeepSpeed's "type" (SGD: DeepSpeed's torch.optim fallback).
 # "adam" is DeepSpeed's Adam with adam_w_mode false (L2 weight decay added to the gradient); "muon" is DeepSpeed's
-# MuonWithAuxAdam (Muon on hidden matrices, AdamW on the rest: ds_clip.optim tags which).
+# MuonWithAuxAdam (Muon on hidden matrices, AdamW on the rest: ds_clip.training.optim tags which).
 OPTIMIZERS: dict[str, str] = {
     "adamw": "AdamW", "adam": "Adam", "lamb": "Lamb", "lion": "Lion", "muon": "Muon", "sgd": "SGD"
 }  # fmt: skip

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from ds_clip.tiled_loss.blocks import (
+from ds_clip.step.tiled_loss.blocks import (
     DEFAULT_TILE_SIZE,
     blocks,
     check_common,
@@ -21,7 +21,7 @@ from ds_clip.tiled_loss.blocks import (
     two_way_accumulators,
     two_way_grads,
 )
-from ds_clip.tiled_loss.softmax import row_grad_accumulate, row_lse
+from ds_clip.step.tiled_loss.softmax import row_grad_accumulate, row_lse
 
 
 class _ClipTiled(torch.autograd.Function):

@@ -1,7 +1,7 @@
 """An open_clip SigLIP-architecture model as a transformers folder: ``SiglipModel`` weights and config, its Hugging Face
 tokenizer, ``SiglipProcessor``.
 
-    ds-clip-export logs/RUN OUT --format transformers        (ds_clip.hf_export picks this for a timm image tower)
+    ds-clip-export logs/RUN OUT --format transformers        (ds_clip.export.hf_clip picks this for a timm image tower)
     SiglipModel.from_pretrained(OUT), AutoModel, SiglipVisionModel, SiglipTextModel, AutoTokenizer, AutoProcessor
 
 The architecture is that of open_clip's published SigLIP configs (``ViT-B-16-SigLIP.json`` and its kin): a timm
@@ -11,7 +11,7 @@ biased projection (``proj_bias``), its tokenizer a Hugging Face one (``text_cfg.
 mapping is ds_clip's own, written after transformers' ``models/siglip/convert_siglip_to_hf.py`` (big_vision
 names) and timm's ``VisionTransformer``: timm's fused ``attn.qkv`` splits into q, k, v; the MAP head's ``q`` and
 ``kv`` projections are the ``in_proj`` of the head's ``nn.MultiheadAttention`` (q, then k, then v), its latent the
-``probe``; the text tower's blocks map as in the CLIP export (ds_clip.hf_towers).
+``probe``; the text tower's blocks map as in the CLIP export (ds_clip.export.hf_towers).
 
 What the towers compute must be what transformers' SigLIP computes. ``unmappable`` names the first thing that
 differs (another timm tower, a class or register token, layer scale, q/k norms, an image projection, a causal or
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ds_clip import hf_towers as towers
+from ds_clip.export import hf_towers as towers
 
 TARGET = "SiglipModel"
 # open_clip's HFTokenizer cleaning (tokenizer_kwargs.clean) as tokenizers' normalizers: whitespace collapsed and
