@@ -66,7 +66,7 @@ def test_wheel_holds_the_package_and_presets_but_no_tools(fresh):
     ) == (SHIPPED_PRESETS)
     # --recipe NAME reads the recipes beside the presets, inside the installed package.
     recipes = sorted(
-        n[len("ds_clip/config/recipes/") : -5] for n in names if n.startswith("ds_clip/config/recipes/")
+        n[len("ds_clip/recipes/") : -5] for n in names if n.startswith("ds_clip/recipes/")
     )
     assert recipes == SHIPPED_RECIPES and "datacomp-medium" in recipes
     assert {"ds_clip/train.py", "ds_clip/model_configs/ds-clip-tiny.json"} <= set(names)

@@ -1,4 +1,4 @@
-"""Training recipes shipped with ds_clip (ds_clip/config/recipes/*.json): published runs that fix the global batch N.
+"""Training recipes shipped with ds_clip (ds_clip/recipes/*.json): published runs that fix the global batch N.
 
     load_recipe("datacomp-medium")        # a shipped recipe, by name
     load_recipe("path/to/mine.json")      # a recipe of the user's own
@@ -28,7 +28,7 @@ def list_recipes() -> list[str]:
 
 
 def load_recipe(name_or_path: str) -> dict[str, Any]:
-    """A recipe name (ds_clip/config/recipes/<name>.json) or a path ending .json -> the recipe object, its "settings"
+    """A recipe name (ds_clip/recipes/<name>.json) or a path ending .json -> the recipe object, its "settings"
     a dict. SettingsError naming --recipe for a missing file, bad JSON or a missing "settings" object."""
     _, data = load_shipped_json(
         name_or_path, RECIPE_DIR, flag="--recipe", kind="a shipped recipe", shipped=list_recipes
