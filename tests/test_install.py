@@ -65,9 +65,7 @@ def test_wheel_holds_the_package_and_presets_but_no_tools(fresh):
         n[len("ds_clip/ds_configs/") : -5] for n in names if n.startswith("ds_clip/ds_configs/")
     ) == (SHIPPED_PRESETS)
     # --recipe NAME reads the recipes beside the presets, inside the installed package.
-    recipes = sorted(
-        n[len("ds_clip/recipes/") : -5] for n in names if n.startswith("ds_clip/recipes/")
-    )
+    recipes = sorted(n[len("ds_clip/recipes/") : -5] for n in names if n.startswith("ds_clip/recipes/"))
     assert recipes == SHIPPED_RECIPES and "datacomp-medium" in recipes
     assert {"ds_clip/train.py", "ds_clip/model_configs/ds-clip-tiny.json"} <= set(names)
     assert not [n for n in names if n.split("/")[0] in ("benchmarks", "tests", "scripts", "ds_configs")]
