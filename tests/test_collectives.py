@@ -435,12 +435,8 @@ def test_trainer_evaluation_checkpoint_resume_issue_no_flagged_collective(tmp_pa
     assert "resumed from" in out and "val step 4" in out and "val step 6" in out
     bad = [r for r in recs if r["offences"]]
     assert not bad, guard.format_offences(bad)
-    # By package module: ds_clip.evaluate.runner counts as ds_clip.evaluate.
-    callers = {".".join(m.split(".")[:2]) for r in recs for m in r["modules"] if m}
-    assert {
-        "ds_clip.evaluate",
-        "ds_clip.checkpoint",
-        "ds_clip.step.loss",
-        "ds_clip.training.trainer",
-    } <= callers, callers
+    # By module or package: ds_clip.evaluate.runner counts as ds_clip.evaluate.
+    callers = {m for r in recs for m in r["modules"] if m}
+    for where in ("ds_clip.evaluate", "ds_clip.checkpoint", "ds_clip.step.loss", "ds_clip.training.trainer"):
+        assert any(c == where or c.startswith(where + ".") for c in callers), (where, callers)
     assert {r["rank"] for r in recs} == {0, 1}
