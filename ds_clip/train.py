@@ -19,6 +19,7 @@ import io
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,14 +35,12 @@ def main(argv: list[str] | None = None) -> int:
         with _silenced(quiet):
             settings = parse_settings(argv)
     except UserError as exc:
-        _error(exc, quiet)
-        return 2
+        return _refused(exc, quiet, 2)
     if settings.dist.dry_run:
         try:
             dry_run(settings)
         except UserError as exc:
-            _error(exc, quiet)
-            return 2
+            return _refused(exc, quiet, 2)
         return 0
     # Heavy imports (torch, deepspeed, open_clip) only after the settings are known to be good.
     import torch.distributed as dist
@@ -51,8 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(settings)
     except UserError as exc:  # -> 2 (ds_clip/errors.py)
-        _error(exc, quiet and exc.same_on_every_rank)
-        return exc.exit_code
+        return _refused(exc, quiet and exc.same_on_every_rank, exc.exit_code)
     except RunError as exc:  # -> 1
         _error(exc, False)
         return exc.exit_code
@@ -90,6 +88,21 @@ def _silenced(quiet: bool) -> Iterator[None]:
         return
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         yield
+
+
+# How long a rank that does not report a refusal every rank meets waits before it exits. The launchers end the
+# whole job when the first rank exits with an error: a silent rank that got there first would kill rank 0 before
+# rank 0 wrote the one line that says why (seen under the deepspeed launcher: exit 2, nothing on stderr).
+QUIET_EXIT_GRACE_S = 5.0
+
+
+def _refused(exc: BaseException, quiet: bool, code: int) -> int:
+    """Report ``exc`` (rank 0 alone where ``quiet``) and return the exit status; a quiet rank first gives rank 0,
+    which meets the same refusal, the time to write it."""
+    _error(exc, quiet)
+    if quiet:
+        time.sleep(QUIET_EXIT_GRACE_S)
+    return code
 
 
 def _error(exc: BaseException | str, quiet: bool) -> None:

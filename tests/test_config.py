@@ -672,3 +672,18 @@ def test_loader_workers_prefetch_a_whole_step():
 
     assert prefetch_factor(1, 1) == 4 and prefetch_factor(8, 1) == 8 and prefetch_factor(8, 4) == 4
     assert prefetch_factor(32, 3) == 11 and prefetch_factor(8, 0) is None
+
+
+def test_a_silent_rank_leaves_rank_0_time_to_report_a_refusal(monkeypatch, capsys):
+    """A refusal every rank meets is written by rank 0 alone; another rank exits without a word, but only after a
+    grace, because the launcher ends the job at the first rank's exit and would take rank 0's line with it."""
+    import ds_clip.train as train_cli
+
+    waited = []
+    monkeypatch.setattr(train_cli.time, "sleep", waited.append)
+    monkeypatch.setenv("RANK", "1")
+    assert train_cli.main(["--batch-size", "0"]) == 2
+    assert capsys.readouterr().err == "" and waited == [train_cli.QUIET_EXIT_GRACE_S]
+    monkeypatch.setenv("RANK", "0")
+    assert train_cli.main(["--batch-size", "0"]) == 2
+    assert "ds-clip-train: error:" in capsys.readouterr().err and waited == [train_cli.QUIET_EXIT_GRACE_S]
