@@ -435,9 +435,9 @@ def _run_one_engine(
         coalesce=coalesce,
         seed=settings.seed,
     )
-    # The engine and step ds-clip-train builds (ds_clip.training.wiring) from the shipped preset of this stage and precision
-    # (train_argv names zero<stage>_<precision>, which is also the default preset where engine_preset chose it),
-    # with open_clip's AdamW settings for ViTs.
+    # The engine and step ds-clip-train builds (ds_clip.training.wiring) from the shipped preset of this stage
+    # and precision (train_argv names zero<stage>_<precision>, which is also the default preset where
+    # engine_preset chose it), with open_clip's AdamW settings for ViTs.
     with tempfile.TemporaryDirectory() as preset_dir:
         s = parse_settings([*train_argv(spec, preset_dir), "--lr", "1e-5", "--wd", "0.1", "--eps", "1e-6"])
         trained = build_run_step(s, world_size=world, rank=rank, total_steps=FLAT_SCHEDULE_STEPS)

@@ -1,8 +1,8 @@
 """Train the same steps under different (W ranks, k micro-batches) splits: the runs the equivalence tests,
-the equivalence report, the GPU check and the benchmarks share. Every run builds its model, engine and step with
-``ds_clip.training.wiring`` from ``ds-clip-train`` flags, so what is proven is what the trainer builds and trains from the
-shipped presets: DeepSpeed's config-built AdamW (CPU Adam under offload), the LR schedule, the resolved JSON, the
-cached step with its seeds and the logit-scale clamp.
+the equivalence report, the GPU check and the benchmarks share. Every run builds its model, engine and step
+with ``ds_clip.training.wiring`` from ``ds-clip-train`` flags, so what is proven is what the trainer builds and
+trains from the shipped presets: DeepSpeed's config-built AdamW (CPU Adam under offload), the LR schedule, the
+resolved JSON, the cached step with its seeds and the logit-scale clamp.
 
 Generated data is assigned by *global sample index*: optimizer step s trains samples
 ``s·N + [0, N)`` with N = W·k·m, and global micro-batch g (rank r, micro-batch j, g = r·k + j) holds
@@ -313,8 +313,9 @@ def full_masters(engine) -> dict[str, torch.Tensor]:
 def run_in_group(spec: RunSpec) -> RunResult:
     """Train ``spec`` on every rank of the current process group; every rank returns the result.
 
-    The model, engine, loss and step are ``ds_clip.training.wiring.build_run_step``'s from the flags of ``train_argv(spec)``:
-    the step ``ds-clip-train`` trains (the cached step, then open_clip's logit-scale clamp, then the weight EMA)."""
+    The model, engine, loss and step are ``ds_clip.training.wiring.build_run_step``'s from the flags of
+    ``train_argv(spec)``: the step ``ds-clip-train`` trains (the cached step, then open_clip's logit-scale clamp,
+    then the weight EMA)."""
     import torch.distributed as dist
 
     from ds_clip.config import parse_settings

@@ -4,9 +4,10 @@
     python scripts/gpu_check_capacity.py largest --out-dir DIR   # DIR/largest.json: ViT-B-16, tiled loss
 
 Both build the engine and step ds-clip-train builds (ds_clip.config.parse_settings with the user's defaults
-and the flags named below -> ds_clip.training.wiring.build_run_step) in one process (a world of one), and train with its
-step (ds_clip.step.cached_step, then the logit-scale clamp) on pairs held in pinned host memory (the data
-offload: only the micro-batch being embedded is on the device). Every timed step is wall time between two CUDA synchronisations.
+and the flags named below -> ds_clip.training.wiring.build_run_step) in one process (a world of one), and
+train with its step (ds_clip.step.cached_step, then the logit-scale clamp) on pairs held in pinned host
+memory (the data offload: only the micro-batch being embedded is on the device). Every timed step is wall
+time between two CUDA synchronisations.
 
 * mfu: ``--precision bf16 --accum-freq 8``. m doubles from ``--m-start`` while a step fits in device
   memory (an out-of-memory error ends the search) and ``--m-max`` is not passed;

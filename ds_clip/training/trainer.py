@@ -3,8 +3,8 @@ batch, train one step (``ds_clip.step``), then let each component act on its own
 logs (``metrics.StepMeter``), the checkpointer saves (``checkpoint.Checkpointer``), the evaluator evaluates
 (``evaluate.Evaluator``), the skip policy counts skipped updates, the stop request saves and exits.
 
-Shape of a run: settings -> resolved DeepSpeed JSON -> model, data -> engine and step (``ds_clip.training.wiring``, the wiring
-the equivalence harness and the benchmarks share) -> resume -> loop.
+Shape of a run: settings -> resolved DeepSpeed JSON -> model, data -> engine and step
+(``ds_clip.training.wiring``, the wiring the equivalence harness and the benchmarks share) -> resume -> loop.
 """
 
 from __future__ import annotations
