@@ -26,10 +26,12 @@ webdataset shards of 256 with ds_clip.shards. ds_clip runs once per ``--decode``
 from the JPEG header and a reduced-size decode, uint8; exact: open_clip's decode and transform); open_clip's
 ``get_wds_dataset`` reads the same shards with the same transform. ``--workers all`` is os.cpu_count().
 With web data it also reports the PSNR of the fast decode against the exact one (same seeds, same crops;
-8-bit pixel units, over the first ``--psnr-samples`` images, PNG and unreduced JPEGs bit-equal).
+8-bit pixel units, over the first ``--psnr-samples`` images). ``--rounds R`` measures each configuration R
+times, ours and open_clip's in turn, and reports the medians, the ratio as the median of the rounds' own ratios
+(a virtual machine's speed drifts over minutes; a pair measured back to back sees the same machine).
 
     python benchmarks/bench_loader.py --data web --open-clip --sizes 224 --decode fast exact --workers 1 all \
-        --seconds 10 --json benchmarks/results/raw/loader_web.json
+        --seconds 10 --rounds 3 --json benchmarks/results/raw/loader_web.json
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import argparse
 import datetime
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -201,6 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--decode", nargs="+", choices=("fast", "exact"), default=["fast"], help="ds_clip's --decode modes"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measurements per configuration, ours and open_clip's alternating; medians reported, the ratio "
+        "as the median of the rounds' own ratios",
+    )
     parser.add_argument("--json", default=None, help="write the rows and the machine here")
     args = parser.parse_args(argv)
     worker_counts = [(os.cpu_count() or 1) if w == "all" else int(w) for w in args.workers]
@@ -249,26 +259,30 @@ def main(argv: list[str] | None = None) -> int:
                         train_num_samples=10**7,
                         decode=decode,
                     ))  # fmt: skip
-            theirs_by: dict[tuple[str, int], float] = {}
             for name, (folder, settings) in sources.items():
                 for workers in worker_counts:
                     settings.workers = workers
-                    rate = measure(settings, preprocess, tokenizer, args.seconds)
-                    versus = ""
-                    if args.open_clip and folder and workers > 0:
-                        key = (folder, workers)
-                        if key not in theirs_by:
-                            # open_clip expands braces and "::" lists, not globs
-                            tars = sorted(f for f in os.listdir(folder) if f.endswith(".tar"))
-                            pattern = "::".join(os.path.join(folder, f) for f in tars)
-                            theirs_by[key] = measure_open_clip(
-                                pattern, workers, preprocess, tokenizer, args.seconds
+                    compare = args.open_clip and folder and workers > 0
+                    if compare:  # open_clip expands braces and "::" lists, not globs
+                        tars = sorted(f for f in os.listdir(folder) if f.endswith(".tar"))
+                        pattern = "::".join(os.path.join(folder, f) for f in tars)
+                    ours, theirs = [], []
+                    for _ in range(args.rounds):  # the two sides alternate: a round is one pair
+                        ours.append(measure(settings, preprocess, tokenizer, args.seconds))
+                        if compare:
+                            theirs.append(
+                                measure_open_clip(pattern, workers, preprocess, tokenizer, args.seconds)
                             )
-                            results.append({"source": f"open_clip_wds {os.path.basename(folder)}", "px": size,
-                                            "workers": workers, "rate": theirs_by[key]})  # fmt: skip
-                        theirs = theirs_by[key]
-                        versus = f"{theirs:.0f} ({rate / theirs:.2f}x)"
-                    results.append({"source": name, "px": size, "workers": workers, "rate": rate})
+                    rate = statistics.median(ours)
+                    versus = ""
+                    if compare:
+                        ratio = statistics.median(o / t for o, t in zip(ours, theirs))
+                        versus = f"{statistics.median(theirs):.0f} ({ratio:.2f}x)"
+                        results.append({"source": f"open_clip_wds {os.path.basename(folder)} ({name})", "px": size,
+                                        "workers": workers, "rate": statistics.median(theirs),
+                                        "rounds": theirs})  # fmt: skip
+                    results.append({"source": name, "px": size, "workers": workers, "rate": rate, "rounds": ours,
+                                    **({"ratio_median_of_rounds": ratio} if compare else {})})  # fmt: skip
                     per_worker = f"{rate / workers:.0f}" if workers else "-"
                     rows.append(f"| {name} | {size} | {workers} | {rate:.0f} | {per_worker} | {versus} |")
                     print(rows[-1], file=sys.stderr, flush=True)

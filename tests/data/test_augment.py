@@ -26,6 +26,7 @@ from PIL import Image
 from timm.data import create_transform
 
 from ds_clip.data.augment import ALL_GENERATORS, SeededTransform, generators_drawn
+from ds_clip.data.decode import FastCrop
 from ds_clip.data.loader import DataSettings, build_train_data
 from ds_clip.data.synthetic import SyntheticCaptions, render_pair
 from ds_clip.data.wds import SkipCounter, expand_urls, iter_shard
@@ -241,8 +242,7 @@ def write_image_shards(folder, count: int, per_shard: int, same_image: bool = Fa
 
 def pixels(data, images: torch.Tensor) -> torch.Tensor:
     """The float tensors the step trains on: uint8 images (--decode fast, open_clip's plain train transform)
-    normalised as the step does; the transform's own tensors as they are. PNG shards: no reduced decode, so
-    both decodes give the transform's very pixels."""
+    normalised as the step does; the transform's own tensors as they are."""
     return normalize_images(images, *data.image_normalize) if images.dtype == torch.uint8 else images
 
 
@@ -273,12 +273,21 @@ def wds_pixels(pattern, transform, **kwargs) -> dict[str, torch.Tensor]:
 
 
 def expected_wds(pattern, transform, *, epoch=0, seed=5) -> dict[str, torch.Tensor]:
-    """Each sample read straight from its tar and augmented with its identity (URL, key)."""
-    augment, out = SeededTransform(transform, seed), {}
+    """Each sample read straight from its tar and augmented with its identity (URL, key), by the decode the
+    loader runs for `transform` (--decode fast, the default, for open_clip's plain train transform)."""
+    fast = FastCrop.of(transform)
+    augment, out = SeededTransform(fast or transform, seed), {}
     for url in expand_urls(pattern):
         for raw in iter_shard(url, SkipCounter()):
-            image = Image.open(io.BytesIO(raw.data["png"])).convert("RGB")
-            out[raw.data["txt"].decode()] = augment(image, epoch=epoch, sample=(url, raw.key))
+            sample = (url, raw.key)
+            if fast is not None:
+                image = augment(raw.data["png"], epoch=epoch, sample=sample)
+                image = normalize_images(image[None], fast.mean, fast.std)[0]
+            else:
+                image = augment(
+                    Image.open(io.BytesIO(raw.data["png"])).convert("RGB"), epoch=epoch, sample=sample
+                )
+            out[raw.data["txt"].decode()] = image
     return out
 
 

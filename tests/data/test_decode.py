@@ -1,8 +1,8 @@
 """--decode fast: open_clip's train crop from the JPEG header and a reduced-size decode, normalised on the device.
 
 Pinned here: `FastCrop.of` recognises open_clip's plain train transform and nothing else; the crop box of a
-sample is the one the exact path draws for it (bit-equal pixels where no reduction applies, PNG and small
-JPEGs; close ones where it does); the distribution of crop scale and aspect ratio is torchvision's
+sample is the one the exact path draws for it (pixels within two levels where no reduction applies, PNG and
+small JPEGs; close ones where it does); the distribution of crop scale and aspect ratio is torchvision's
 RandomResizedCrop's (histograms against torchvision's own draws); the webdataset loader's uint8 micro-batches
 are a function of (seed, epoch, sample) alone, whatever --workers and across a resume; a broken image is
 counted as bad_image as in the exact path.
@@ -67,25 +67,32 @@ def test_only_open_clips_plain_train_transform_is_recognised():
     assert FastCrop.of(nearest) is None
 
 
-def test_fast_pixels_are_the_exact_paths_without_reduction_and_close_with_it():
+def test_fast_pixels_are_within_two_levels_of_the_exact_paths_without_reduction_and_close_with_it():
     """Same seed, epoch and sample: PNG and JPEGs too small to reduce give the exact path's normalised tensor
-    bit for bit (so the crop box is the same draw); JPEGs decoded at reduced size stay above 35 dB PSNR."""
+    within two 8-bit levels (the same crop box; torchvision's uint8 resize against PIL's, same filter); JPEGs
+    decoded at reduced size stay above 30 dB PSNR at 64 px (the reduced decode, and the box snapped to the
+    reduced image's pixels: at most half an output pixel at this size)."""
     fast = FastCrop.of(TRAIN)
     exact, seeded = _exact(TRAIN, 7), SeededTransform(fast, 7)
+    std = torch.tensor(fast.std)[:, None, None]
     rng = random.Random(1)
-    equal = reduced = 0
+    near = reduced = 0
     for i in range(24):
         data, ext = web_image(rng, min_side=40, max_side=400)
         got = seeded(data, epoch=0, sample=("shard", str(i)))
-        assert got.dtype == torch.uint8 and got.shape == (3, SIZE, SIZE)
+        assert got.dtype == torch.uint8 and got.shape == (3, SIZE, SIZE) and got.is_contiguous()
         want = exact(data, ("shard", str(i)))
         normalised = normalize_images(got[None], fast.mean, fast.std)[0]
-        if torch.equal(normalised, want):
-            equal += 1
+        with Image.open(io.BytesIO(data)) as im:
+            width, height = im.size
+        if ext == "png" or min(width, height) < 2 * SIZE:  # no DCT reduction can apply
+            assert ((normalised - want) * std * 255).abs().max().item() <= 2.0 + 1e-3, (i, ext)
+            near += 1
         else:
-            assert ext == "jpg" and _psnr(normalised, want, fast) > 35, (i, ext)
-            reduced += 1
-    assert equal and reduced
+            psnr = _psnr(normalised, want, fast)
+            assert psnr > 30, (i, ext, psnr)
+            reduced += psnr < math.inf
+    assert near and reduced
 
 
 def test_crop_scale_and_ratio_follow_torchvisions_random_resized_crop():
