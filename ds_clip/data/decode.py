@@ -6,7 +6,7 @@ runs the same transform in another order:
 
 1. the crop box is drawn from the image size in the JPEG header, before any pixel is decoded, by torchvision's
    own `RandomResizedCrop.get_params` from the same generator (seeded per sample by `SeededTransform`): the
-   very box the exact path draws for that sample;
+   very draw the exact path makes for that sample;
 2. the JPEG is decoded at a reduced size by libjpeg's DCT scaling (PIL's `Image.draft`: 1/2, 1/4 or 1/8),
    the largest reduction that still leaves the crop at least S pixels on each side;
 3. the crop (its box in the reduced image's pixels: each edge rounded to the nearest one, at most half a
@@ -18,8 +18,9 @@ runs the same transform in another order:
 
 Where no reduction applies (PNG, WebP, a crop already under 2 S px) the crop is the drawn box itself and the
 pixels differ from the exact path's by the resize's arithmetic alone (a level here and there); where it
-applies, by the reduced decode and the rounded box too: see the PSNR in docs/data.md. Only a transform of exactly that shape is recognised (`FastCrop.of`); any other one
-(colour jitter, timm's augmentations, a user's own) is run as it is on the fully decoded image.
+applies, by the reduced decode and the rounded box too: see the PSNR in docs/data.md. Only a transform of
+exactly that shape is recognised (`FastCrop.of`); any other one (colour jitter, timm's augmentations, a
+user's own) is run as it is on the fully decoded image.
 """
 
 from __future__ import annotations
