@@ -32,7 +32,10 @@ is not what a run of one k meets. The first round is a warm-up and not timed. Ti
 largest over ranks (a step is as slow as its slowest rank); medians over ``--steps`` rounds. The ratio is the
 median of the rounds' own ratios (each round's cached step over the plain step taken right beside it), not the
 ratio of the two medians: on a virtual machine the same step varies by +-10 % from round to round, and a ratio of
-medians drawn from different rounds moved by up to 0.1 between two runs of the same command.
+medians drawn from different rounds moved by up to 0.1 between two runs of the same command. Each step's CPU
+time (user + system of the process, the largest over ranks) is kept beside its wall time, and ``ratio_cpu`` is the
+same median over it: where the two agree, the spread between rounds is the work itself, not time the machine
+gave to something else.
 
 Where the time goes (``--phases``): one more step of each side under torch.profiler, split by the cached step's
 own ranges (``ds_clip.step.embed``: the k forwards, micro-batch 0's with its graph; ``.loss``; ``.push_back``:
@@ -154,39 +157,50 @@ def _group(s: CostSettings) -> list[dict]:
             with record_function("plain.optimizer"):
                 engine.step()  # DeepSpeed updates at the k-th call only
 
-    def timed(fn, k: int) -> float:
+    def timed(fn, k: int) -> tuple[float, float]:
+        """(wall seconds, CPU seconds of this process: user + system, every thread), each the largest over ranks."""
         dist.barrier()
         if cuda:
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn(k)
         if cuda:
             torch.cuda.synchronize()
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+        t = torch.tensor(
+            [time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64, device=device
+        )
         if world > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
+        wall, cpu = t.tolist()
+        return wall, cpu
 
     times: dict[tuple[str, int], list[float]] = {}
+    cpu_times: dict[tuple[str, int], list[float]] = {}
     sides = (("cached", run_cached), ("plain", run_plain))
     for round_ in range(s.steps + 1):  # round 0: warm-up (optimizer state, first allocations), not kept
         for k in ks:
             for mode, fn in sides if round_ % 2 else sides[::-1]:  # who goes first alternates
-                t = timed(fn, k)
+                t, c = timed(fn, k)
                 if round_ > 0:
                     times.setdefault((mode, k), []).append(t)
+                    cpu_times.setdefault((mode, k), []).append(c)
     phases = {k: _phases(sides, k) for k in ks} if s.phases else {}
     stage = int(cached.engine.zero_optimization_stage())
     rows = []
     for k in ks:
         c, p = statistics.median(times[("cached", k)]), statistics.median(times[("plain", k)])
         paired = statistics.median(a / b for a, b in zip(times[("cached", k)], times[("plain", k)]))
+        paired_cpu = statistics.median(
+            a / b for a, b in zip(cpu_times[("cached", k)], cpu_times[("plain", k)])
+        )
         rows.append(
             {
                 "model": name, "W": world, "m": m, "k": k, "N": world * k * m, "zero": stage,
                 "preset": ds.preset, "cached_s": c, "plain_s": p, "ratio": paired, "ratio_of_medians": c / p,
                 "bound": bound(k),
                 "cached_all_s": times[("cached", k)], "plain_all_s": times[("plain", k)],
+                "ratio_cpu": paired_cpu,
+                "cached_cpu_all_s": cpu_times[("cached", k)], "plain_cpu_all_s": cpu_times[("plain", k)],
                 **({"phases_s": phases[k]} if phases else {}),
             }
         )  # fmt: skip

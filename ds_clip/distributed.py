@@ -31,7 +31,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
-from ds_clip import shm
+from ds_clip import host_memory, shm
 from ds_clip.errors import UserError
 
 T = TypeVar("T")
@@ -172,11 +172,14 @@ def accelerator_name() -> str:
 
 
 def _set_local_device() -> None:
-    """Make GPU LOCAL_RANK this process's current device (nothing on a CPU accelerator)."""
+    """Make GPU LOCAL_RANK this process's current device; on a CPU accelerator, keep freed host memory
+    (``host_memory``)."""
     from deepspeed.accelerator import get_accelerator
 
     acc = get_accelerator()
     if acc.device_name() == "cpu":
+        # The model's activations and gradients are host memory: keep what a pass frees for the next one.
+        host_memory.keep_freed_memory()
         return
     local = _local_rank()
     count = acc.device_count()

@@ -43,7 +43,7 @@ add loader "python benchmarks/bench_loader.py --open-clip --sizes 224 --workers 
 # get_wds_dataset, one worker and all cores, and the PSNR of fast against exact.
 add loader_web "python benchmarks/bench_loader.py --data web --open-clip --sizes 224 --decode fast exact --workers 1 all --seconds 10 --rounds 3 --json $OUT/quiet_loader_web.json"
 # The price of exactness: the cached step against DeepSpeed's gradient_accumulation_steps = k.
-add exactness_cost "python benchmarks/bench_exactness_cost.py --model ViT-B-32 --image-size 64 --batch-size 4 --k 2 4 8 --world-sizes 1 2 --steps 5 --json $OUT/quiet_exactness_cost.json"
+add exactness_cost "python benchmarks/bench_exactness_cost.py --model ViT-B-32 --image-size 64 --batch-size 4 --k 2 4 8 --world-sizes 1 2 --steps 9 --json $OUT/quiet_exactness_cost.json"
 # Memory per rank of the multi-rank default against ZeRO-1 and ZeRO-2 (peak RSS of one step, largest over ranks;
 # memory does not depend on load, the step times beside it do).
 add mem_w4 "python benchmarks/bench_accum.py --models ds-clip-tiny ViT-B-32 --image-size 64 --batch-size 4 --k 1 8 --world-sizes 2 4 --zero-stages 0 1 2 --steps 2 --warmup 1 --json $OUT/quiet_mem_w4.json"
