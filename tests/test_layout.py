@@ -23,7 +23,7 @@ PACKAGES = {
     "training",
 }
 ENTRY_POINTS = {"train", "demo", "shards", "fetch", "preflight"}
-FOUNDATIONS = {"distributed", "errors", "geometry", "shm", "stop_signals", "versions"}
+FOUNDATIONS = {"distributed", "errors", "geometry", "host_memory", "shm", "stop_signals", "versions"}
 
 
 def test_top_level_is_packages_entry_points_and_foundations():
