@@ -166,7 +166,7 @@ def test_exactness_cost_bound_and_profile_groups():
 
 def test_exactness_cost_phases_name_where_each_side_spends_its_step(tmp_path):
     """--phases: one profiled step of each side, split by the cached step's own named ranges (the same ranges a
-    user's torch.profiler trace shows) and the plain loop's."""
+    user's torch.profiler trace shows) and the plain loop's; --warmup rounds are not timed."""
     from benchmarks import bench_exactness_cost
 
     out = tmp_path / "cost.json"
@@ -178,13 +178,19 @@ def test_exactness_cost_phases_name_where_each_side_spends_its_step(tmp_path):
         "--world-sizes",
         "1",
         "--steps",
-        "1",
+        "2",
+        "--warmup",
+        "2",
         "--phases",
         "--json",
         str(out),
     ]
     assert bench_exactness_cost.main(argv) == 0
     (row,) = json.loads(out.read_text())["rows"]
+    # Two timed rounds after two untimed ones, each with its wall and CPU time.
+    for key in ("cached_all_s", "plain_all_s", "cached_cpu_all_s", "plain_cpu_all_s"):
+        assert len(row[key]) == 2 and all(t > 0 for t in row[key]), (key, row[key])
+    assert row["ratio_cpu"] > 0
     phases = row["phases_s"]
     cached = {f"ds_clip.step.{p}" for p in ("embed", "loss", "push_back", "optimizer")}
     plain = {f"plain.{p}" for p in ("forward", "loss_backward", "optimizer")}
