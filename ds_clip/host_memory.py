@@ -8,7 +8,7 @@ pass then faults every page in again, zero-filled by the kernel. How much comes 
 happens to sit at the top of the heap, so it changes with the order of allocations. Measured on ViT-B-32 at 64
 px, m = 4, one process (docs/cost.md): a plain loop settles at about 25 thousand faults per backward (the token
 embedding's 101 MB gradient, above any threshold), while the cached step's recompute-then-backward pattern kept
-faulting 65-90 thousand pages per backward and 16 thousand per recomputed forward, about 0.1 s per micro-batch.
+faulting 64-88 thousand pages per backward and 16 thousand per recomputed forward, about 0.1 s per micro-batch.
 
 ``keep_freed_memory`` fixes both thresholds (which also turns their dynamic adjustment off): blocks up to 32 MiB
 (glibc's largest mmap threshold) come from the heap, and the heap is trimmed only when more than 2 GiB at its top
@@ -30,7 +30,6 @@ import ctypes
 import ctypes.util
 import logging
 import os
-import platform
 
 __all__ = ["MMAP_THRESHOLD", "OPT_OUT", "TRIM_THRESHOLD", "keep_freed_memory", "user_choice"]
 
@@ -87,7 +86,7 @@ def keep_freed_memory() -> bool:
     if reason is not None:
         logger.debug("host allocator left as chosen: %s", reason)
         return False
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if not _glibc():
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     # mallopt returns 1 on success, 0 on error.
@@ -96,3 +95,11 @@ def keep_freed_memory() -> bool:
     _applied = mmap_ok and trim_ok
     logger.debug("host allocator: mmap threshold %s, trim threshold %s", mmap_ok, trim_ok)
     return _applied
+
+
+def _glibc() -> bool:
+    # confstr names the C library's version without reading the interpreter's binary (platform.libc_ver does).
+    try:
+        return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+    except (AttributeError, ValueError, OSError):  # no confstr (not POSIX) or no such name (musl)
+        return False
