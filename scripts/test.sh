@@ -14,8 +14,12 @@ ruff check ds_clip ds_clip_harness tests benchmarks scripts examples
 ruff format --check ds_clip ds_clip_harness tests benchmarks scripts examples
 # Import layers and no cycles (pyproject.toml [tool.importlinter]).
 lint-imports
+# Two pytest-xdist workers, a module per work unit (tests/conftest.py): a launched run leaves one core idle for
+# much of its life, and the second worker fills it. DS_CLIP_TEST_WORKERS=0 runs everything in this process.
+# At the end: the 25 slowest test phases and each module's total (docs/start.md, "How long the suite may take").
+workers=${DS_CLIP_TEST_WORKERS:-2}
 set +e
-python -m pytest -ra --durations=25 "$@"
+python -m pytest -ra --durations=25 -n "$workers" --dist loadgroup --no-loadscope-reorder "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected nothing: that is a broken suite, not a pass.

@@ -52,3 +52,71 @@ def _module_folders_removed(request, tmp_path_factory):
         return
     for made in set(base.iterdir()) - before:
         shutil.rmtree(made, ignore_errors=True)
+
+
+# How scripts/test.sh runs the suite: two pytest-xdist workers (`-n 2 --dist loadgroup --no-loadscope-reorder`)
+# on a 2-core machine. A launched run keeps one core idle for much of its life (the launcher's imports, rank 0
+# saving or evaluating while the others wait, a pip download, SLURM's scheduling), and a second worker fills it.
+#
+# Each module is one work unit (its xdist group), so its module-scoped fixtures (process groups that train many
+# cases, trained runs to resume, a fresh venv) are built once, on one worker. Modules that must not overlap share
+# a group: the two fresh-venv installs (several GB of disk each; a CI disk holds one at a time).
+SHARED_GROUPS = {
+    "tests/test_install.py": "fresh-venvs",
+    "tests/test_install_oldest.py": "fresh-venvs",
+}
+
+# The modules that take minutes, longest first (scripts/test.sh prints each module's total at the end): the
+# workers start them first, so that the short modules fill in at the end and both workers finish together.
+# A module that grows past a few minutes goes in here (docs/start.md, "How long the suite may take").
+LONGEST_FIRST = (
+    "tests/test_install.py",  # with tests/test_install_oldest.py: one group, two fresh venvs in turn
+    "tests/test_slurm.py",
+    "tests/test_hub.py",
+    "tests/test_equivalence.py",
+    "tests/faults/test_signals.py",
+    "tests/test_remote.py",
+    "tests/faults/test_faults.py",
+    "tests/test_elastic.py",
+    "tests/test_e2e.py",
+    "tests/test_multinode.py",
+    "tests/test_checkpoint.py",
+    "tests/test_feature_pairs.py",
+    "tests/test_stage_change.py",
+    "tests/test_open_clip_flags.py",
+    "tests/test_compile.py",
+)
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    order = {m: i for i, m in enumerate(LONGEST_FIRST)}
+    by_group: dict[str, int] = {}
+    for item in items:
+        module = _module(item.nodeid)
+        group = SHARED_GROUPS.get(module, module)
+        item.add_marker(pytest.mark.xdist_group(group))
+        by_group.setdefault(group, order.get(module, len(order)))
+    # Stable: within a group, and among the modules not listed, collection order stays.
+    items.sort(key=lambda item: by_group[SHARED_GROUPS.get(_module(item.nodeid), _module(item.nodeid))])
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Each module's total (setup + call + teardown of its tests, its module fixtures included), longest first:
+    where the suite's time goes. Under two workers the totals add up to more than the wall time."""
+    totals: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for rep in reports:
+            if getattr(rep, "when", None) in ("setup", "call", "teardown") and hasattr(rep, "duration"):
+                module = _module(rep.nodeid)
+                totals[module] = totals.get(module, 0.0) + rep.duration
+    if not totals:
+        return
+    tr = terminalreporter
+    tr.write_sep("=", f"per-module totals ({len(totals)} modules, {sum(totals.values()):.0f} s in all)")
+    for module, seconds in sorted(totals.items(), key=lambda kv: -kv[1]):
+        tr.write_line(f"{seconds:9.1f}s  {module}")
