@@ -30,6 +30,9 @@ from tests.test_e2e import _run
 
 transformers = pytest.importorskip("transformers")
 
+# Every test here runs again in tests/test_install.py with the newest transformers.
+pytestmark = [pytest.mark.newest_clients]
+
 # Captions of several lengths: short, with punctuation ("!" is also the pad token's text), mixed case and
 # spacing, and one longer than the context length (truncated, end-of-text kept last).
 CAPTIONS = [

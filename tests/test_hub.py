@@ -7,6 +7,10 @@ is too large for these CPU tests, so the test processes register a tiny model co
 (a sitecustomize.py on their PYTHONPATH calls open_clip.add_model_config) and the stand-in hub serves tiny
 weights of that shape under the real repo id. Everything else (the tag table, the repo id, the file names, the
 download, the cache layout) is open_clip's and huggingface_hub's own.
+
+The tests marked `newest_clients` take each path through the hub client once (a tag's weights offline, cached and
+fetched; an hf-hub: model with its hub tokenizer through transformers under the launcher; the client's errors;
+timm's weights): tests/test_install.py runs them again with the newest transformers and huggingface_hub.
 """
 
 from __future__ import annotations
@@ -164,6 +168,7 @@ def test_bad_tags_and_names_are_one_line(monkeypatch):
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.newest_clients
 def test_offline_uncached_is_refused_and_dry_run_lists_the_files(hub, tmp_path):
     """HF_HUB_OFFLINE=1 and an empty cache: exit 2 before anything starts, one line naming the tag's repo, the
     file, the cache folder and the command that fills it; no request reaches the hub. --dry-run lists the files
@@ -198,6 +203,7 @@ def test_offline_uncached_is_refused_and_dry_run_lists_the_files(hub, tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.newest_clients
 def test_two_ranks_fetch_once_lock_image_keeps_the_hub_tower_and_resume_fetches_nothing(hub, tmp_path):
     """`deepspeed --num_gpus 2 --module ds_clip.train --model hf-hub:ORG/REPO` (a hub tokenizer in another repo)
     on ZeRO-3 with --lock-image: each file is downloaded once (local rank 0 fetches, the other rank waits and
@@ -306,6 +312,7 @@ def _pt_bytes(state: dict[str, torch.Tensor]) -> bytes:
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.newest_clients
 def test_unknown_repo_and_unreachable_hub_are_one_line_exit_2(hub, tmp_path):
     """A repo the hub does not have, and a hub that does not answer: exit 2 before any engine starts, one line
     naming the flag, the repo, the file and the cache folder."""
@@ -339,6 +346,7 @@ TIMM_REPO = "timm/test_vit.r160_in1k"  # timm's pretrained config of its tiny te
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.newest_clients
 def test_pretrained_image_loads_timms_hub_weights_into_the_image_tower(hub, tmp_path):
     """--pretrained-image: the timm image tower starts from timm's hub weights (fetched once, into the cache);
     with --lock-image they come out of training and export bit-identical. Started with --resume latest (nothing

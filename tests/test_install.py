@@ -166,10 +166,12 @@ def test_version_names_what_is_installed_and_two_ranks_train(fresh):
 
 
 def test_hub_and_export_tests_pass_with_the_newest_transformers(fresh):
-    """The `hub` and `hf` extras resolved from the index (transformers 5.x, huggingface_hub 1.x or later):
-    tests/test_hub.py (published tags, hf-hub: models and hub tokenizers from a stand-in hub on 127.0.0.1, online
-    and offline, under the launchers) and tests/test_hf_export.py (the transformers export loaded by transformers)
-    pass against the installed wheel. Runs last in this module: it adds to `fresh`."""
+    """The `hub` and `hf` extras resolved from the index (transformers 5.x, huggingface_hub 1.x or later): the
+    tests that exercise those two libraries (marked `newest_clients`: each path through the hub client in
+    tests/test_hub.py, with hub tokenizers from a stand-in hub on 127.0.0.1, online and offline, under the
+    launcher; every test of tests/test_hf_export.py, the transformers export loaded by transformers) pass against
+    the installed wheel. The rest of those modules (launch, resume and weight-source promises that no client
+    version changes) run once, in the suite's own venv. Runs last in this module: it adds to `fresh`."""
     venv, env = fresh["venv"], fresh["env"]
     added = run([venv / "bin" / "python", "-m", "pip", "install", "-q", f"{fresh['wheel']}[hub,hf]", "pytest"],
                  cwd=fresh["cwd"], env=env, timeout=1800)  # fmt: skip
@@ -179,8 +181,8 @@ def test_hub_and_export_tests_pass_with_the_newest_transformers(fresh):
     # The tests and the harness without the package: `import ds_clip` finds the wheel, in pytest and in every
     # process the tests launch (their PYTHONPATH holds this copy's root, which has no ds_clip/).
     copy = checkout_copy(fresh["cwd"] / "suite", only=("tests", "ds_clip_harness", "pyproject.toml"))
-    proc = run([venv / "bin" / "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_hub.py",
-                 "tests/test_hf_export.py"], cwd=copy, env=env, timeout=1800)  # fmt: skip
+    proc = run([venv / "bin" / "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "newest_clients",
+                 "tests/test_hub.py", "tests/test_hf_export.py"], cwd=copy, env=env, timeout=1800)  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert re.search(r"\d+ passed", out) and " skipped" not in out, out[-3000:]
