@@ -7,7 +7,10 @@
 - `scancel` once a checkpoint is complete, then the same submission (`--resume latest`) ends bit for bit where the
   straight job ends;
 - a time limit: the script's `#SBATCH --signal=B:USR1@120` warns the batch shell, which passes SIGUSR1 to the
-  ranks: they save one checkpoint and the job ends COMPLETED (exit 0) before the limit;
+  ranks: they save one checkpoint and the job ends COMPLETED (exit 0) before the limit. SLURM's clock decides when
+  (3-4 minutes in), so this job is submitted first and the others run beside it on the node's four CPUs; one of
+  its ranks is a straggler (DS_CLIP_INJECT_FAULT=slow@0-:0, 1 s a step), so that the job waits for the warning
+  instead of spending two cores on thousands of steps;
 - `sbatch --requeue` and `scontrol requeue` once a checkpoint is complete: the job runs again, resumes and ends
   where the straight job ends;
 - `srun -n 2 python -m ds_clip.train ...` inside `salloc` (no batch script) trains on 2 ranks;
@@ -47,13 +50,17 @@ TIME_LIMIT_MIN = 5
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.distributed]
 
 
+# The node's CPUs: two jobs of two tasks at once (the time-limit job and one other).
+NODE_CPUS = 4
+
+
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory) -> Iterator[Slurm]:
     why = missing()
     if why:
         pytest.skip(f"SLURM tests: {why}")
     try:
-        with slurm_cluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        with slurm_cluster(tmp_path_factory.mktemp("slurm"), cpus=NODE_CPUS) as cluster:
             yield cluster
     except SlurmUnavailable as err:
         pytest.fail(f"the one-node SLURM did not start: {err}")
@@ -102,12 +109,12 @@ def _train_args(work: dict, name: str, *extra: str, steps: int = STEPS) -> list[
 TASKS = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0"]
 
 
-def _sbatch(slurm: Slurm, work: dict, name: str, *sbatch: str, args: list[str]) -> str:
+def _sbatch(slurm: Slurm, work: dict, name: str, *sbatch: str, args: list[str], **env: str) -> str:
     out = work["root"] / f"{name}-%j.out"
     proc = subprocess.run(
         ["sbatch", "--parsable", *TASKS, f"--output={out}", f"--job-name={name}", *sbatch,
          "scripts/launch_slurm.sbatch", *args],
-        cwd=ROOT, env=_env(slurm), capture_output=True, text=True, timeout=60,
+        cwd=ROOT, env={**_env(slurm), **env}, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().split(";")[0]
@@ -147,8 +154,9 @@ def _latest_step(work: dict, name: str) -> int:
         return 0
 
 
-def _ds_clip_processes(work: dict) -> list[str]:
-    """This test's ds_clip processes still alive (their command line names its folder)."""
+def _ds_clip_processes(work: dict, name: str) -> list[str]:
+    """The ds_clip processes of this module's run NAME still alive (their command line names the module's folder
+    and the run; the time-limit job runs beside the others)."""
     alive = []
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
@@ -157,14 +165,14 @@ def _ds_clip_processes(work: dict) -> list[str]:
             cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if "ds_clip" in cmd and str(work["root"]) in cmd:
+        if "ds_clip" in cmd and str(work["root"]) in cmd and f" --name {name} " in f"{cmd} ":
             alive.append(f"{p.name}: {cmd[:160]}")
     return alive
 
 
-def _nothing_left(work: dict) -> None:
-    _wait("ds_clip processes are still running after the job", lambda: not _ds_clip_processes(work), 60,
-          lambda: "; ".join(_ds_clip_processes(work)))  # fmt: skip
+def _nothing_left(work: dict, name: str) -> None:
+    _wait(f"ds_clip processes of {name} are still running after the job", lambda: not _ds_clip_processes(work, name),
+          60, lambda: "; ".join(_ds_clip_processes(work, name)))  # fmt: skip
 
 
 def _final(work: dict, name: str) -> dict[str, torch.Tensor]:
@@ -174,14 +182,25 @@ def _final(work: dict, name: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def straight(slurm, work) -> dict[str, torch.Tensor]:
-    """The uninterrupted job: sbatch scripts/launch_slurm.sbatch with the training flags, to the end."""
+def limit_job(slurm, work) -> str:
+    """The time-limit job, submitted before every other (see the module's docstring); its test waits for it."""
+    args = _train_args(work, "limit", "--resume", "latest", steps=1_000_000)
+    args[args.index("--save-every-n-steps") + 1] = "1000000"  # only the warning's checkpoint
+    return _sbatch(
+        slurm, work, "limit", f"--time={TIME_LIMIT_MIN}", args=args, DS_CLIP_INJECT_FAULT="slow@0-:0"
+    )
+
+
+@pytest.fixture(scope="module")
+def straight(slurm, work, limit_job) -> dict[str, torch.Tensor]:
+    """The uninterrupted job: sbatch scripts/launch_slurm.sbatch with the training flags, to the end (beside the
+    time-limit job, started first)."""
     job = _sbatch(slurm, work, "straight", args=_train_args(work, "straight"))
     _wait_job(slurm, work, "straight", job)
     log = _job_log(work, "straight", job)
     assert "world size 2, micro-batch m=2, accum-freq k=1" in log, log[-3000:]
     assert re.search(rf"step {STEPS}/{STEPS} ", log), log[-3000:]
-    _nothing_left(work)
+    _nothing_left(work, "straight")
     return _final(work, "straight")
 
 
@@ -206,32 +225,14 @@ def test_scancel_then_resubmit_with_resume_latest_ends_bit_for_bit_where_the_str
           lambda: _job_log(work, "cancel", job)[-3000:])  # fmt: skip
     assert slurm.run("scancel", job).returncode == 0
     _wait_job(slurm, work, "cancel", job, ends=("CANCELLED", "COMPLETED", "FAILED"))
-    _nothing_left(work)
+    _nothing_left(work, "cancel")
     stopped_at = _latest_step(work, "cancel")
     assert SAVE_EVERY <= stopped_at < STEPS, stopped_at
     again = _sbatch(slurm, work, "cancel", args=args)
     _wait_job(slurm, work, "cancel", again)
     assert "resumed from" in _job_log(work, "cancel", again)
-    _nothing_left(work)
+    _nothing_left(work, "cancel")
     _bitwise_equal(_final(work, "cancel"), straight)
-
-
-def test_the_time_limit_warning_saves_and_ends_the_job_zero_before_the_limit(slurm, work):
-    """--time 5 minutes and the script's own `#SBATCH --signal=B:USR1@120`: the batch shell passes SIGUSR1 to
-    srun, the ranks save one checkpoint at the step they agree on and exit 0: the job is COMPLETED, not
-    TIMEOUT, and its checkpoint is complete."""
-    args = _train_args(work, "limit", "--resume", "latest", steps=1_000_000)
-    args[args.index("--save-every-n-steps") + 1] = "1000000"  # only the warning's checkpoint
-    job = _sbatch(slurm, work, "limit", f"--time={TIME_LIMIT_MIN}", args=args)
-    _wait_job(slurm, work, "limit", job)
-    log = _job_log(work, "limit", job)
-    assert re.search(r"^step \d+/", log, re.M), log[-3000:]  # it trained before the warning came
-    assert "received SIGUSR1" in log and "saved checkpoint" in log, log[-3000:]
-    step = _latest_step(work, "limit")
-    assert step > 0 and is_intact(work["logs"] / "limit" / "checkpoints" / ck.tag_for(step))
-    exit_code = slurm.run("scontrol", "show", "job", job).stdout
-    assert "ExitCode=0:0" in exit_code, exit_code
-    _nothing_left(work)
 
 
 def test_requeue_mid_run_resumes_and_ends_where_the_straight_job_ends(slurm, work, straight):
@@ -248,7 +249,7 @@ def test_requeue_mid_run_resumes_and_ends_where_the_straight_job_ends(slurm, wor
     _wait_job(slurm, work, "requeue", job)
     assert "Restarts=1" in slurm.run("scontrol", "show", "job", job).stdout
     assert "resumed from" in _job_log(work, "requeue", job)
-    _nothing_left(work)
+    _nothing_left(work, "requeue")
     _bitwise_equal(_final(work, "requeue"), straight)
 
 
@@ -264,4 +265,20 @@ def test_srun_inside_salloc_trains_on_two_ranks(slurm, work):
     assert proc.returncode == 0, out[-4000:]
     assert "world size 2, micro-batch m=2, accum-freq k=1" in out, out[-4000:]
     assert _latest_step(work, "srun") == 3
-    _nothing_left(work)
+    _nothing_left(work, "srun")
+
+
+def test_the_time_limit_warning_saves_and_ends_the_job_zero_before_the_limit(slurm, work, limit_job):
+    """--time 5 minutes and the script's own `#SBATCH --signal=B:USR1@120`: the batch shell passes SIGUSR1 to
+    srun, the ranks save one checkpoint at the step they agree on and exit 0: the job is COMPLETED, not
+    TIMEOUT, and its checkpoint is complete."""
+    job = limit_job
+    _wait_job(slurm, work, "limit", job)
+    log = _job_log(work, "limit", job)
+    assert re.search(r"^step \d+/", log, re.M), log[-3000:]  # it trained before the warning came
+    assert "received SIGUSR1" in log and "saved checkpoint" in log, log[-3000:]
+    step = _latest_step(work, "limit")
+    assert step > 0 and is_intact(work["logs"] / "limit" / "checkpoints" / ck.tag_for(step))
+    exit_code = slurm.run("scontrol", "show", "job", job).stdout
+    assert "ExitCode=0:0" in exit_code, exit_code
+    _nothing_left(work, "limit")

@@ -6,6 +6,8 @@
     DS_CLIP_INJECT_FAULT="kill-in-save@4:1" rank 1 SIGKILLs itself while checkpoint 4 is half written
     DS_CLIP_INJECT_FAULT="eval-error@2:1"   rank 1 cannot read its --val-data samples in the evaluation
                                             at optimizer step 2 (an OSError, as from a store gone away)
+    DS_CLIP_INJECT_FAULT="slow@0-:0"        rank 0 takes 1 s longer for every batch from step 0 on (a
+                                            straggler: the other ranks wait for it in the step's collectives)
 
 STEP is the 0-based index of the batch this process trains (its attempt count): equal to the optimizer
 step index while nothing is skipped, and it keeps counting through skipped steps, so "nan@1:1" poisons one
@@ -14,7 +16,7 @@ job, a full disk) are slow and random; these make the same outcomes reproducible
 
 One plan, three hooks, all set once at start by ``install(trainer)`` and only when the variable is set, so a
 normal run pays one ``is None`` check per step, per evaluation read and per save: ``Trainer.before_step``
-("nan", "kill"), ``Evaluator.before_read`` ("eval-error") and ``Checkpointer.save_hook`` ("kill-in-save", at the
+("nan", "kill", "slow"), ``Evaluator.before_read`` ("eval-error") and ``Checkpointer.save_hook`` ("kill-in-save", at the
 save's "after_shards" point: between the rank files and the completion marker). Only the trainer's start
 (``ds_clip.training.trainer.train``) imports this module.
 """
@@ -23,12 +25,15 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 ENV = "DS_CLIP_INJECT_FAULT"
+# How much longer a "slow" rank takes for a batch: long next to a tiny test step, short next to --dist-timeout.
+SLOW_STEP_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -80,11 +85,13 @@ class FaultPlan:
         return any(f.fires(kind, step, rank) for f in self.faults)
 
     def before_step(self, micro_batches: MicroBatches, attempt: int, rank: int) -> MicroBatches:
-        """The trainer's ``before_step`` hook: kills this rank ("kill") or feeds NaN images in its first
-        micro-batch ("nan") at the chosen batches; otherwise hands the micro-batches on untouched.
-        ``attempt``: the 0-based batch this process trains (STEP above)."""
+        """The trainer's ``before_step`` hook: kills this rank ("kill"), feeds NaN images in its first
+        micro-batch ("nan") or holds it back for SLOW_STEP_S ("slow") at the chosen batches; otherwise hands the
+        micro-batches on untouched. ``attempt``: the 0-based batch this process trains (STEP above)."""
         if self._fires("kill", attempt, rank):
             _kill("kill", attempt, rank)
+        if self._fires("slow", attempt, rank):
+            time.sleep(SLOW_STEP_S)  # the injected straggler itself, not a wait for a condition
         if self._fires("nan", attempt, rank):
             images, texts = micro_batches[0]
             dtype = images.dtype if images.is_floating_point() else torch.float32  # uint8 (--decode fast)

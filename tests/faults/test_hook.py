@@ -79,3 +79,17 @@ def test_eval_and_save_faults_reach_their_own_hooks_only(monkeypatch):
         "after_shards", 4, 0
     )  # another rank: no kill (the real kill is test_faults.py's)
     run.checkpointer.save_hook("after_shards", 3, 1)  # another step
+
+
+def test_slow_holds_back_the_chosen_rank_only(monkeypatch):
+    """slow@1-:0 holds rank 0 back by SLOW_STEP_S from batch 1 on (a straggler), and changes no batch."""
+    slept: list[float] = []
+    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    monkeypatch.setenv(faults.ENV, "slow@1-:0")
+    run = _Run()
+    faults.install(run)
+    batches = _micro_batches()
+    assert run.before_step(batches, 0, 0) is batches and slept == []  # before its step
+    assert run.before_step(batches, 3, 1) is batches and slept == []  # another rank
+    assert run.before_step(batches, 1, 0) is batches and run.before_step(batches, 5, 0) is batches
+    assert slept == [faults.SLOW_STEP_S] * 2
