@@ -16,7 +16,6 @@ import torch
 
 from ds_clip_harness.models import COCA_E2E_MODEL, E2E_MODEL, E2E_TEACHER, write_pretrained_dir
 from tests import launch, shm_files
-from tests.launch import ROOT
 
 M, K, W, STEPS = 4, 2, 2, 4
 
@@ -267,18 +266,20 @@ def test_text_tower_smaller_than_its_tokenizer_is_exit_2(tmp_path):
 def test_only_rank_0_speaks_about_the_command_line(args):
     """Every rank parses the same command line: a bad flag (ds_clip's check or argparse's), or --help, is
     printed by rank 0 only (RANK as deepspeed and torchrun set it, OMPI_COMM_WORLD_RANK as mpirun, SLURM_PROCID
-    as srun), so a job shows it once. Every rank exits with the same status."""
-    for var in ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
-        for rank, quiet in (("0", False), ("1", True)):
-            env = launch.environment(**{var: rank})
-            p = subprocess.run(
-                [sys.executable, "-m", "ds_clip.train", *args], cwd=ROOT, env=env, capture_output=True,
-                text=True, timeout=120,
-            )  # fmt: skip
-            assert p.returncode == (0 if args == ["--help"] else 2), p.stderr[-2000:]
-            assert "Traceback" not in p.stderr
-            said = (p.stdout + p.stderr).strip()
-            assert (said == "") == quiet, (var, rank, said[-2000:])
+    as srun), so a job shows it once. Every rank exits with the same status. The six processes run at once, as a
+    job's ranks do (a quiet rank waits out its grace before it exits)."""
+    started = [
+        (var, rank, quiet, launch.start([sys.executable, "-m", "ds_clip.train", *args],
+                                        env=launch.environment(**{var: rank})))
+        for var in ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+        for rank, quiet in (("0", False), ("1", True))
+    ]  # fmt: skip
+    for var, rank, quiet, proc in started:
+        p = launch.finish(proc, timeout=120)
+        assert p.returncode == (0 if args == ["--help"] else 2), p.stderr[-2000:]
+        assert "Traceback" not in p.stderr
+        said = (p.stdout + p.stderr).strip()
+        assert (said == "") == quiet, (var, rank, said[-2000:])
 
 
 def _fp16_supported() -> bool:
