@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -59,3 +61,39 @@ def stale_and_live(port_stale: int, port_live: int) -> Iterator[Planted]:
         mapping.close()
         for p in (stale, live):
             p.unlink(missing_ok=True)
+
+
+# Runs in the namespace: plants the two buffers, runs the command beside them, reports what it left.
+_BESIDE = """
+import json, subprocess, sys
+from tests import shm_files
+cmd, run_port, stale, live = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+with shm_files.stale_and_live(stale, live) as planted:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    seen = {"stale": planted.stale.exists(), "live": planted.live.exists(), "left": shm_files.left_by(run_port)}
+sys.stdout.write(proc.stdout)
+sys.stderr.write(proc.stderr)
+print("SHM " + json.dumps(seen))
+sys.exit(proc.returncode)
+"""
+
+
+def run_beside_planted(
+    cmd: list[str], run_port: int, port_stale: int, port_live: int
+) -> tuple[list[str], dict]:
+    """The command that runs ``cmd`` (a launch whose rendezvous port is ``run_port``) while a stale and a live
+    buffer lie in /dev/shm (``stale_and_live``), and reports on its last line ("SHM {json}") whether each is
+    still there afterwards and which buffers of the run are left. As root it runs in a /dev/shm of its own (a
+    mount namespace with a fresh tmpfs, as in a container): the start of another run on this machine (the
+    suite's other worker) sweeps every stale buffer it sees and would take the planted one first."""
+    inner = [sys.executable, "-c", _BESIDE, json.dumps(cmd), str(run_port), str(port_stale), str(port_live)]
+    if os.geteuid() == 0 and shutil.which("unshare"):
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                'mount -t tmpfs tmpfs /dev/shm && exec "$0" "$@"', *inner]  # fmt: skip
+    return inner
+
+
+def beside_planted_report(stdout: str) -> dict:
+    """The "SHM {json}" line of ``run_beside_planted``'s command."""
+    (line,) = [ln for ln in stdout.splitlines() if ln.startswith("SHM ")]
+    return json.loads(line[len("SHM ") :])

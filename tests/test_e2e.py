@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ds_clip import shm
 from ds_clip_harness.models import COCA_E2E_MODEL, E2E_MODEL, E2E_TEACHER, write_pretrained_dir
 from tests import launch, shm_files
 
@@ -70,18 +71,20 @@ def test_deepspeed_launcher_trains_and_resumes(model_dir, tmp_path):
 
     Nothing left in /dev/shm: neither run leaves a DeepSpeed CPU shm buffer of its own, and
     the first one's start removes a stale buffer (its owner process is dead) and says so, while a buffer
-    a live process maps stays."""
+    a live process maps stays (in a /dev/shm of its own as root: tests/shm_files.run_beside_planted)."""
     ports: list[int] = []
     while len(ports) < 4:  # two launches, and the ports named by the planted buffers
         ports += [q for q in [launch.free_port()] if q not in ports]
     args = _train_args(model_dir, tmp_path, "ds")
-    with shm_files.stale_and_live(ports[2], ports[3]) as planted:
-        proc = _run(launch.deepspeed(*args, port=ports[0]))
-        assert not planted.stale.exists() and planted.live.exists()
+    proc = _run(
+        shm_files.run_beside_planted(launch.deepspeed(*args, port=ports[0]), ports[0], ports[2], ports[3])
+    )
     _check_run(proc, tmp_path / "ds")
+    seen = shm_files.beside_planted_report(proc.stdout)
+    assert not seen["stale"] and seen["live"] and seen["left"] == [], seen
     said = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "ds_clip.shm: removed" in ln]
-    assert len(said) == 1 and planted.stale.name in said[0], said
-    assert shm_files.left_by(ports[0]) == []
+    stale = shm.buffer_name(0, addr="127.0.0.1", port=str(ports[2]))
+    assert len(said) == 1 and stale in said[0], said
     # The resume turns the weight EMA on: the checkpoint has none, so it starts from the resumed weights and says
     # so once; the next checkpoint holds one file of it per rank, and ds-clip-export --ema writes it.
     more = _train_args(model_dir, tmp_path, "ds", "--ema-decay", "0.9", steps=STEPS + 2)

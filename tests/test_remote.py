@@ -240,6 +240,7 @@ def s3(tmp_path_factory):
         assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # botocore reads credentials from the environment at each request
+    _restart_fork_server()
     try:
         _s3fs(env).mkdir("ckpt")
         yield env
@@ -251,6 +252,17 @@ def s3(tmp_path_factory):
                 os.environ[k] = v
         server.terminate()
         server.wait(timeout=30)
+        _restart_fork_server()
+
+
+def _restart_fork_server() -> None:
+    """Stop this process's multiprocessing fork server, if one runs: the next loader whose workers start from it
+    starts a new one with the environment as it is now. (A pytest-xdist worker runs threads, so in-process
+    loaders there take ds_clip.stop_signals' fork server, started by whichever test came first, with that
+    test's environment: workers reading s3:// would lack the credentials set here.)"""
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()  # the standard library's own hook for tests
 
 
 def _s3fs(env: dict[str, str]):
