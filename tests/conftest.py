@@ -71,20 +71,24 @@ SHARED_GROUPS = {
 # A module that grows past a few minutes goes in here (docs/start.md, "How long the suite may take").
 LONGEST_FIRST = (
     "tests/test_install.py",  # with tests/test_install_oldest.py: one group, two fresh venvs in turn
-    "tests/test_slurm.py",
-    "tests/test_hub.py",
     "tests/test_equivalence.py",
-    "tests/faults/test_signals.py",
-    "tests/test_remote.py",
-    "tests/faults/test_faults.py",
-    "tests/test_elastic.py",
-    "tests/test_e2e.py",
-    "tests/test_multinode.py",
     "tests/test_checkpoint.py",
-    "tests/test_feature_pairs.py",
+    "tests/faults/test_faults.py",
+    "tests/test_hub.py",
+    "tests/test_remote.py",
+    "tests/test_slurm.py",
     "tests/test_stage_change.py",
-    "tests/test_open_clip_flags.py",
+    "tests/faults/test_signals.py",
+    "tests/test_elastic.py",
+    "tests/test_multinode.py",
+    "tests/test_e2e.py",
+    "tests/test_feature_pairs.py",
+    "tests/test_hf_export.py",
+    "tests/test_ema.py",
+    "tests/faults/test_eval_faults.py",
+    "tests/test_lock.py",
     "tests/test_compile.py",
+    "tests/test_public_ds_configs.py",
 )
 
 

@@ -96,7 +96,9 @@ def _write_conf(work: Path, node: str, cpus: int) -> Path:
         "SlurmctldPort": str(_free_port()),
         "SlurmdPort": str(_free_port()),
         "AuthType": "auth/munge",
-        "AuthInfo": f"socket={work / 'munge.sock'}",
+        # cred_expire (120 s by default) is also how long a requeued job waits before it starts again: the
+        # requeue test waited 137 s for it. 30 s still covers a step's start on a loaded 2-core machine.
+        "AuthInfo": f"socket={work / 'munge.sock'},cred_expire=30",
         "CredType": "cred/munge",
         "StateSaveLocation": str(work / "state"),
         "SlurmdSpoolDir": str(work / "spool"),
