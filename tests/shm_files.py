@@ -78,9 +78,7 @@ sys.exit(proc.returncode)
 """
 
 
-def run_beside_planted(
-    cmd: list[str], run_port: int, port_stale: int, port_live: int
-) -> tuple[list[str], dict]:
+def run_beside_planted(cmd: list[str], run_port: int, port_stale: int, port_live: int) -> list[str]:
     """The command that runs ``cmd`` (a launch whose rendezvous port is ``run_port``) while a stale and a live
     buffer lie in /dev/shm (``stale_and_live``), and reports on its last line ("SHM {json}") whether each is
     still there afterwards and which buffers of the run are left. As root it runs in a /dev/shm of its own (a

@@ -171,8 +171,9 @@ def _ds_clip_processes(work: dict, name: str) -> list[str]:
 
 
 def _nothing_left(work: dict, name: str) -> None:
-    _wait(f"ds_clip processes of {name} are still running after the job", lambda: not _ds_clip_processes(work, name),
-          60, lambda: "; ".join(_ds_clip_processes(work, name)))  # fmt: skip
+    _wait(f"ds_clip processes of {name} are still running after the job",
+          lambda: not _ds_clip_processes(work, name), 60,
+          lambda: "; ".join(_ds_clip_processes(work, name)))  # fmt: skip
 
 
 def _final(work: dict, name: str) -> dict[str, torch.Tensor]:

@@ -16,8 +16,8 @@ job, a full disk) are slow and random; these make the same outcomes reproducible
 
 One plan, three hooks, all set once at start by ``install(trainer)`` and only when the variable is set, so a
 normal run pays one ``is None`` check per step, per evaluation read and per save: ``Trainer.before_step``
-("nan", "kill", "slow"), ``Evaluator.before_read`` ("eval-error") and ``Checkpointer.save_hook`` ("kill-in-save", at the
-save's "after_shards" point: between the rank files and the completion marker). Only the trainer's start
+("nan", "kill", "slow"), ``Evaluator.before_read`` ("eval-error") and ``Checkpointer.save_hook``
+("kill-in-save", at the save's "after_shards" point: between the rank files and the completion marker). Only the trainer's start
 (``ds_clip.training.trainer.train``) imports this module.
 """
 
