@@ -76,7 +76,7 @@ def _group_w4_first(model: str, logs: Path) -> None:
         _train(_args(model, logs, f"full4_z{z}", z, 1))
 
 
-def _group_w2(model: str, logs: Path, classes: str, shards: str, teacher: str) -> dict:
+def _group_w2(model: str, logs: Path, classes: str, shards: str, moved: str, teacher: str) -> dict:
     val = ["--val-data", "synthetic", "--val-num-samples", str(VAL_SAMPLES), "--zeroshot-classes", classes]
     for z in STAGES:
         _train(_args(model, logs, f"full2_z{z}", z, 2, *(val if z == 3 else [])))
@@ -103,6 +103,14 @@ def _group_w2(model: str, logs: Path, classes: str, shards: str, teacher: str) -
                 f"wds2_w{workers}",
             )
         )
+    # The same shards at another path, and through a pipe: command: straight, and resumed from the run that
+    # read them at the first path (a re-queued job on a node that mounts the data elsewhere).
+    for name, data in (("wdsmoved", moved), ("wdspipe", f"pipe:cat {moved}")):
+        _train(_args(model, logs, name, 3, 2, "--train-data", data, "--dataset-type", "webdataset"))
+    moved_args = _args(
+        model, logs, "wdsmovedres", 3, 2, "--train-data", moved, "--dataset-type", "webdataset"
+    )
+    _train(_resume(moved_args, logs, "wds2_w1"))
     for z in FROM_W4_STAGES:
         _train(_resume(_args(model, logs, f"res42_z{z}", z, 2), logs, f"full4_z{z}"))
     out = _engine_embeddings(model, logs / "engine", zero=3)
@@ -271,10 +279,12 @@ def runs(tmp_path_factory) -> dict:
     classes = root / "classes.json"
     classes.write_text(json.dumps(CLASSES))
     shards = _make_shards(root)
+    shutil.copytree(root / "shards", root / "mounted" / "elsewhere")
+    moved = str(root / "mounted" / "elsewhere" / Path(shards).name)
     model, logs = f"local-dir:{model_dir}", root / "logs"
     teacher = write_pretrained_dir(root / "teacher", E2E_TEACHER)
     spawn_group(4, _group_w4_first, model, logs)
-    engine = spawn_group(2, _group_w2, model, logs, str(classes), shards, teacher)
+    engine = spawn_group(2, _group_w2, model, logs, str(classes), shards, moved, teacher)
     clamp = spawn_group(4, _group_w4_second, model, logs, _clamp_model(root))
     return {"logs": logs, "engine": engine, "classes": str(classes), "root": root, "clamp": clamp}
 
@@ -363,10 +373,23 @@ def test_resume_is_step_exact_with_other_worker_counts(runs, workers):
 @pytest.mark.parametrize("workers", WDS_WORKERS)
 def test_resume_on_webdataset_shards_is_step_exact(runs, workers):
     """Real tar shards read by the webdataset pipeline (shuffled shard order, shuffle buffer, crops seeded by
-    shard URL and key), --workers 0, 1 and 2, ZeRO-3: resumed at step 2, equal at step 4."""
+    shard name and key), --workers 0, 1 and 2, ZeRO-3: resumed at step 2, equal at step 4."""
     logs = runs["logs"]
     full, resumed = _final(logs, f"wds2_w{workers}"), _final(logs, f"wdsres2_w{workers}")
     assert _max_abs_diff(resumed, full) <= 1e-6
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_same_shards_at_another_path_train_the_same_run(runs):
+    """The shards copied to another folder, and read through `pipe:cat`, train bit for bit what the first
+    path trained (crops are keyed by shard name and sample key); a run saved with the data at one path and
+    resumed with it at the other equals the straight run. With the path in the key, each run differed."""
+    logs = runs["logs"]
+    straight = _final(logs, "wds2_w1")
+    for name in ("wdsmoved", "wdspipe"):
+        assert _max_abs_diff(_final(logs, name), straight) == 0.0, name
+    assert _max_abs_diff(_final(logs, "wdsmovedres"), straight) <= 1e-6
 
 
 @pytest.mark.distributed

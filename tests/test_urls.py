@@ -15,7 +15,7 @@ import pytest
 from ds_clip.config import SettingsError, parse_settings
 from ds_clip.data.loader import DataError
 from ds_clip.data.wds import expand_urls
-from ds_clip.sources.urls import ShardPatternError, expand_shards
+from ds_clip.sources.urls import ShardPatternError, expand_shards, is_local, shard_name, url_scheme
 
 
 def _touch(folder: Path, *names: str) -> list[str]:
@@ -71,6 +71,38 @@ def test_pipe_commands_and_urls_are_not_checked_here(tmp_path):
         "pipe:cat /nowhere/2.tar",
     ]
     assert expand_shards("s3://b/*.tar", "--val-data") == ["s3://b/*.tar"]  # no glob on a URL
+
+
+@pytest.mark.parametrize(
+    "url, name",
+    [
+        ("/data/laion/00012.tar", "00012.tar"),
+        ("relative/shards/00012.tar", "00012.tar"),
+        ("00012.tar", "00012.tar"),
+        ("file:/nvme/laion/00012.tar", "00012.tar"),
+        ("file:///nvme/laion/00012.tar", "00012.tar"),
+        ("s3://bucket/laion/00012.tar", "00012.tar"),
+        ("https://host:8443/laion/00012.tar?X-Amz-Signature=abc&X-Amz-Expires=60", "00012.tar"),
+        ("pipe:aws s3 cp s3://b/laion/00012.tar -", "00012.tar"),
+        ("pipe:curl -L -s https://host/laion/00012.tar", "00012.tar"),
+        ("pipe:curl -s -H 'Authorization: Bearer a/b+c=' \"https://host/x/00012.tar?sig=1\"", "00012.tar"),
+        ("pipe:cat /data/laion/00012.tar", "00012.tar"),
+        ("pipe:cat /data/laion/00012.tar | zcat", "00012.tar"),
+        ("pipe:gsutil cat gs://b/laion/00012.tar", "00012.tar"),
+        ("pipe:my-reader --part 12", "pipe:my-reader --part 12"),  # no URL, no tar: the command as written
+        ("pipe:echo 'unbalanced", "pipe:echo 'unbalanced"),
+    ],
+)
+def test_a_shard_is_named_by_its_last_path_component_whatever_reaches_it(url, name):
+    assert shard_name(url) == name
+
+
+def test_a_pipe_command_is_a_command_whatever_urls_it_holds():
+    command = "pipe:aws s3 cp s3://b/{0..9}.tar -"
+    assert url_scheme(command) == "pipe" and not is_local(command)
+    assert (
+        url_scheme("s3://b/0.tar") == "s3" and url_scheme("file:/x/0.tar") == "" and url_scheme("x.tar") == ""
+    )
 
 
 def test_home_is_expanded(tmp_path, monkeypatch):

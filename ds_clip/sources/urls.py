@@ -15,8 +15,10 @@ Only the standard library and braceexpand (installed with webdataset): cheap to 
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
+import shlex
 from urllib.parse import urlparse
 
 import braceexpand
@@ -33,9 +35,55 @@ class ShardPatternError(UserError):
     """
 
 
+def is_pipe(url: str) -> bool:
+    """A `pipe:` command (run by the shell; it may hold URLs, headers and quotes: never parsed as a URL)."""
+    return url.startswith("pipe:")
+
+
 def is_local(url: str) -> bool:
     """A local file (a path or `file:PATH`), as opposed to a `pipe:` command or a `scheme://` URL."""
-    return url.startswith("file:") or ("://" not in url and not url.startswith("pipe:"))
+    return not is_pipe(url) and (url.startswith("file:") or "://" not in url)
+
+
+def url_scheme(url: str) -> str:
+    """ "pipe" for a `pipe:` command, the scheme of a `scheme://` URL ("s3", "https", ...), "" for a local path
+    (`file:` included). A command's own URLs (`pipe:aws s3 cp s3://b/0.tar -`) are not its scheme."""
+    if is_pipe(url):
+        return "pipe"
+    if is_local(url):
+        return ""
+    return url.split("://", 1)[0]
+
+
+_SHARD_SUFFIXES = (".tar", ".tgz", ".tar.gz", ".tar.bz2", ".tar.xz", ".tar.zst")
+
+
+def _last_component(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+@functools.lru_cache(maxsize=65536)
+def shard_name(url: str) -> str:
+    """What identifies a shard whatever reaches it: the last path component of its path or URL (no folder,
+    scheme, host or query string: a signed URL's signature changes, its object does not). For a `pipe:`
+    command, the last path component of the last URL (`scheme://...`) among its arguments, else of its last
+    argument that names a tar file (`pipe:cat /data/00000.tar`), else the command as written.
+
+    Per-sample random draws are keyed by (shard name, sample key), so the same shards copied to another folder,
+    mirrored to another bucket or read through `pipe:cat` train the same run (docs/data.md)."""
+    if is_local(url):
+        return _last_component(local_path(url)) or url
+    if not is_pipe(url):
+        return _last_component(urlparse(url).path) or url
+    try:
+        args = shlex.split(url[len("pipe:") :])
+    except ValueError:  # unbalanced quotes: the shell will say so when the reader runs it
+        return url
+    urls = [a for a in args if "://" in a and not a.startswith("-")]
+    if urls:
+        return _last_component(urlparse(urls[-1]).path) or url
+    tars = [a for a in args if _last_component(a.split("?", 1)[0]).endswith(_SHARD_SUFFIXES)]
+    return _last_component(tars[-1].split("?", 1)[0]) if tars else url
 
 
 def local_path(url: str) -> str:

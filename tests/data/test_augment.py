@@ -16,6 +16,7 @@ import json
 import os
 import pickle
 import random
+import shutil
 
 import numpy as np
 import open_clip
@@ -32,6 +33,7 @@ from ds_clip.data.synthetic import SyntheticCaptions, render_pair
 from ds_clip.data.wds import SkipCounter, expand_urls, iter_shard
 from ds_clip.geometry import BatchGeometry
 from ds_clip.shards import Sample, write_shards
+from ds_clip.sources.urls import shard_name
 from ds_clip.step.cached import normalize_images
 from tests.data.tokens import byte_tokenizer, detok
 
@@ -273,13 +275,13 @@ def wds_pixels(pattern, transform, **kwargs) -> dict[str, torch.Tensor]:
 
 
 def expected_wds(pattern, transform, *, epoch=0, seed=5) -> dict[str, torch.Tensor]:
-    """Each sample read straight from its tar and augmented with its identity (URL, key), by the decode the
+    """Each sample read straight from its tar and augmented with its identity (shard name, key), by the decode the
     loader runs for `transform` (--decode fast, the default, for open_clip's plain train transform)."""
     fast = FastCrop.of(transform)
     augment, out = SeededTransform(fast or transform, seed), {}
     for url in expand_urls(pattern):
         for raw in iter_shard(url, SkipCounter()):
-            sample = (url, raw.key)
+            sample = (shard_name(url), raw.key)
             if fast is not None:
                 image = augment(raw.data["png"], epoch=epoch, sample=sample)
                 image = normalize_images(image[None], fast.mean, fast.std)[0]
@@ -328,19 +330,36 @@ def test_wds_same_url_and_key_same_pixels_for_any_workers_ranks_and_resume(tmp_p
                         assert torch.equal(image, reference[detok(tokens)])
 
 
+def test_wds_the_same_shards_at_another_path_or_through_pipe_draw_alike(tmp_path):
+    """The draws are keyed by the shard's name and the sample's key, not by where the shard lies: the same
+    shards copied to another folder, and read through `pipe:cat` of that copy, give the same tensors bit for
+    bit (with the path in the key, every crop differed). Shards of other names draw otherwise."""
+    transform = TRANSFORMS["open_clip_default"]()
+    pattern = write_image_shards(tmp_path / "a", count=8, per_shard=4)
+    copy = tmp_path / "mounted" / "elsewhere"
+    shutil.copytree(tmp_path / "a", copy)
+    reference = wds_pixels(pattern, transform, workers=1)
+    assert len(reference) == 8
+    moved = str(copy / "{00000..00001}.tar")
+    assert_same_pixels(wds_pixels(moved, transform, workers=1), reference)
+    assert_same_pixels(wds_pixels(f"pipe:cat {moved}", transform, workers=1), reference)
+    for old, new in (("00000", "00010"), ("00001", "00011")):
+        os.rename(copy / f"{old}.tar", copy / f"{new}.tar")
+    renamed = wds_pixels(str(copy / "{00010..00011}.tar"), transform, workers=1)
+    assert sum(not torch.equal(renamed[c], reference[c]) for c in reference) >= 6
+
+
 @pytest.mark.parametrize("name, least_distinct", [("open_clip_default", 12), ("open_clip_timm_aug", 16)])
-def test_wds_every_sample_rank_and_epoch_gets_its_own_draw(tmp_path, monkeypatch, name, least_distinct):
+def test_wds_every_sample_rank_and_epoch_gets_its_own_draw(tmp_path, name, least_distinct):
     """One image in every sample: the tensors differ only by their draws. Before the wrapper, rank 0 and
     rank 1 (each with one worker seeded alike) drew the same crop sequence in epoch 0.
 
     open_clip's default RandomResizedCrop(scale=(0.9, 1.0)) has few distinct boxes on a small square image
     (126 at 48 px, the whole image in 9 % of draws: measured over 20 000 draws), so some samples get equal
     crops by chance; with timm's augmentations every one of the 16 differs. A draw is a hash of the shard's
-    URL, so the shards are named by a relative path: the same draws wherever the test's folder is (an
-    absolute temporary path gave 11 to 16 distinct crops, depending on the path)."""
+    name, not its path: the same draws wherever the test's folder is."""
     transform = TRANSFORMS[name]()
-    monkeypatch.chdir(tmp_path)
-    pattern = write_image_shards("shards", count=16, per_shard=4, same_image=True)
+    pattern = write_image_shards(tmp_path / "shards", count=16, per_shard=4, same_image=True)
     ranks = wds_by_rank(pattern, transform, world_size=2, m=2, k=1, workers=1)
     epoch0 = dict(ranks[0] + ranks[1])
     epoch1 = wds_pixels(pattern, transform, world_size=2, m=2, k=1, workers=1, epoch=1)

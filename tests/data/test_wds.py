@@ -8,10 +8,12 @@ that match nothing and data with no valid sample are errors, not hangs.
 
 from __future__ import annotations
 
+import http.server
 import io
 import json
 import logging
 import os
+import threading
 from collections import Counter
 
 import pytest
@@ -20,6 +22,7 @@ import webdataset as wds
 from PIL import Image
 
 from ds_clip.data.loader import DataError, DataSettings, build_train_data
+from ds_clip.data.wds import expand_urls
 from ds_clip.geometry import BatchGeometry
 from ds_clip.shards import Sample, write_shards
 from tests.data.tokens import byte_tokenizer, detok
@@ -115,6 +118,24 @@ def test_resume_neither_repeats_nor_skips_and_matches_the_uninterrupted_run(tmp_
         assert head + tail == whole
 
 
+def test_a_position_saved_before_draws_were_keyed_by_shard_name_says_the_draws_change(tmp_path, caplog):
+    """A checkpoint from a ds_clip that keyed each sample's draws by the shard's path resumes with other draws:
+    the resume says so in one line (on rank 0); a position saved now resumes without it."""
+    pattern = make_shards(tmp_path, count=32, per_shard=8)
+    first = build(pattern)
+    captions(first, 0, stop_after=1)
+    state = first.state_dict()
+    with caplog.at_level(logging.WARNING, logger="ds_clip.data"):
+        build(pattern).load_state_dict(state)
+        assert "keyed" not in caplog.text
+        old = {k: v for k, v in state.items() if k != "draws_keyed_by"}
+        build(pattern, rank=1, world_size=2, k=1).load_state_dict(old)  # rank 1 stays quiet
+        assert "keyed" not in caplog.text
+        build(pattern).load_state_dict(old)
+    lines = [r.getMessage() for r in caplog.records if "keyed" in r.getMessage()]
+    assert len(lines) == 1 and "by the shard's path" in lines[0] and "differ" in lines[0]
+
+
 def test_sources_joined_with_colons_and_pipe_commands(tmp_path):
     a = make_shards(tmp_path / "a", count=8, per_shard=4, prefix="a")
     b = make_shards(tmp_path / "b", count=8, per_shard=4, prefix="b")
@@ -124,6 +145,54 @@ def test_sources_joined_with_colons_and_pipe_commands(tmp_path):
     assert seen == sorted([f"a{i}" for i in range(8)] + [f"b{i}" for i in range(8)])
     piped = build(f"pipe:cat {tmp_path}/a/{{00000..00001}}.tar", m=2, k=1)  # no sizes.json: scanned
     assert sorted(c for step in captions(piped, 0) for c in step) == sorted(f"a{i}" for i in range(8))
+
+
+@pytest.fixture
+def shard_server(tmp_path):
+    """An HTTP server on 127.0.0.1 serving tmp_path/served, only to requests with the bearer token."""
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(tmp_path / "served"), **kwargs)
+
+        def do_GET(self):  # noqa: N802 - http.server's name
+            if self.headers.get("Authorization") != "Bearer t0k3n/x+y=":
+                self.send_error(403)
+                return
+            super().do_GET()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_pipe_commands_holding_urls_headers_and_quotes_are_run_as_commands(tmp_path, shard_server):
+    """`pipe:curl ... http://...` (how open_clip users read LAION-style shards) is run by the shell wherever a
+    shard is read: validated, counted (no sizes.json: a scan through the command), planned and read, with
+    its header and quotes intact. Such a command once went to fsspec as a URL of protocol "pipe:curl ...
+    http" and stopped the run at start."""
+    from ds_clip.config import parse_settings
+    from ds_clip.data.wds import shard_sizes
+
+    make_shards(tmp_path / "served", count=16, per_shard=4)
+    os.remove(tmp_path / "served" / "sizes.json")
+    command = (
+        "pipe:curl --noproxy '*' -s -f -H 'Authorization: Bearer t0k3n/x+y=' "
+        f'"{shard_server}/{{00000..00003}}.tar"'
+    )
+    parse_settings(["--train-data", command, "--dataset-type", "webdataset"])
+    urls = expand_urls(command)
+    assert len(urls) == 4 and urls[0].endswith('/00000.tar"')
+    assert shard_sizes(urls)[0] == [4, 4, 4, 4]
+    data = build(command, m=2, k=2, workers=1)
+    assert sorted(c for step in captions(data, 0) for c in step) == sorted(f"s{i}" for i in range(16))
+    assert data.skip_counts == {}
 
 
 def test_resampled_is_deterministic_for_a_seed(tmp_path):

@@ -18,8 +18,9 @@ epoch, rank, W, k, m, workers), and a resumed run can make every worker skip exa
 consumed without decoding it.
 
 Augmentation: the worker calls the user's transform through a SeededTransform (data/augment.py) with the
-sample's identity (shard URL as expanded from --train-data, sample key) and the epoch, so a sample's random
-crop (and any other draw of the transform) is the same whatever rank, worker, --workers or restart reads it.
+sample's identity (shard name, sample key: ds_clip.sources.urls.shard_name, the shard's last path component
+whatever folder, bucket or pipe: command reaches it) and the epoch, so a sample's random crop (and any other
+draw of the transform) is the same whatever rank, worker, --workers, restart or data location reads it.
 
 Modules: ``pipeline`` (``WebDatasetTrainData``: the epoch plan, the workers, the round-robin and the resume
 position) -> ``shardlist`` (shard list, weights, sizes) -> ``samples`` (reading, skipping, shuffling and

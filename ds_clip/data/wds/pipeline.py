@@ -31,10 +31,14 @@ from ds_clip.data.decode import FastCrop
 from ds_clip.data.wds.samples import RawSample, SkipCounter, decode_sample, iter_shard, shuffled
 from ds_clip.data.wds.shardlist import expand_urls, shard_sizes, shard_weights
 from ds_clip.geometry import BatchGeometry
+from ds_clip.sources.urls import shard_name
 from ds_clip.stop_signals import loader_workers
 
 logger = logging.getLogger("ds_clip.data")
 
+# What a sample's random draws are keyed by, recorded in the data position: a checkpoint without it keyed them
+# by the shard's path as written, and its resume says the draws change.
+DRAWS_KEYED_BY = "shard name, sample key"
 _RESAMPLED_EMPTY_DRAWS = 10  # x number of shards drawn without one valid sample -> error, not an endless loop
 
 
@@ -129,16 +133,18 @@ class _WorkerStream(torch.utils.data.IterableDataset):
                 consumed += 1
                 if consumed <= plan.raw_skip[worker]:
                     continue  # trained before a restart: not decoded again
+                # The sample's draws: a function of (seed, epoch, shard name, key) alone, never of the folder,
+                # bucket or command that reaches the shard (sources.urls.shard_name).
+                sample = (shard_name(raw.url), raw.key)
                 out = decode_sample(
                     raw,
                     image_exts=p.image_exts,
                     caption_exts=p.caption_exts,
-                    # the sample's draws: a function of (seed, epoch, shard URL, key) alone
-                    preprocess=functools.partial(p.augment, epoch=plan.epoch, sample=(raw.url, raw.key)),
+                    preprocess=functools.partial(p.augment, epoch=plan.epoch, sample=sample),
                     tokenizer=p.tokenizer,
                     fast=None
                     if p.fast is None
-                    else functools.partial(p.fast, epoch=plan.epoch, sample=(raw.url, raw.key)),
+                    else functools.partial(p.fast, epoch=plan.epoch, sample=sample),
                 )
                 if isinstance(out, str):
                     counter.add(out, raw.url, f"sample {raw.key!r}")
@@ -446,11 +452,18 @@ class WebDatasetTrainData(TrainData):
             workers=self.workers,
             rank=self.rank,
             raw_pos=list(self._raw_pos),
+            draws_keyed_by=DRAWS_KEYED_BY,
         )
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
+        if state.get("draws_keyed_by") != DRAWS_KEYED_BY and self.rank == 0:
+            logger.warning(
+                "this checkpoint was saved by a ds_clip that keyed each sample's random draws (crops, "
+                "augmentation) by the shard's path as written; they are keyed by the shard's name now, so from "
+                "here on they differ from the ones the saved run would have made (docs/data.md)"
+            )
         if state.get("workers") != self.workers or state.get("mode") != (
             "resampled" if self.resampled else "exact"
         ):

@@ -19,6 +19,7 @@ from PIL import Image
 from webdataset.gopen import gopen, gopen_schemes
 
 from ds_clip.data.decode import BadImage
+from ds_clip.sources.urls import url_scheme
 
 _KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext: "dir/k.a.b" -> dir/k, a.b
 _LOGGED_PER_REASON = 5  # per worker and pass; the rest only counted (one bad shard must not flood the log)
@@ -90,8 +91,8 @@ def open_url(url: str) -> Any:
     webdataset's gopen knows (http, https through curl, ...) through gopen; any other `scheme://` URL
     (s3://, gs://, az://, ...) through fsspec, as --remote-sync (s3fs for s3://; endpoint and credentials
     from the usual environment, e.g. AWS_ENDPOINT_URL)."""
-    scheme = url.split("://", 1)[0] if "://" in url else ""
-    if scheme and scheme not in gopen_schemes and scheme != "file":
+    scheme = url_scheme(url)  # "pipe" for any pipe: command, whatever URLs it holds
+    if scheme and scheme != "pipe" and scheme not in gopen_schemes:
         import fsspec
 
         return fsspec.open(url, "rb").open()

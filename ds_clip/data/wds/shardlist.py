@@ -14,21 +14,13 @@ from typing import Any
 
 from ds_clip.data.base import DataError
 from ds_clip.data.wds.samples import open_url, split_name
-from ds_clip.sources.urls import ShardPatternError, expand_shards
+from ds_clip.sources.urls import ShardPatternError, expand_shards, is_local, is_pipe, local_path
 
 logger = logging.getLogger("ds_clip.data")
 
 SIZES_FILE = "sizes.json"
 STATS_SUFFIX = "_stats.json"  # img2dataset's NNNNN_stats.json beside NNNNN.tar
 FETCH_THREADS = 16  # size files fetched at once from remote storage
-
-
-def _is_local(url: str) -> bool:
-    return "://" not in url and not url.startswith("pipe:")
-
-
-def _local_path(url: str) -> str:
-    return url[len("file:") :] if url.startswith("file:") else url
 
 
 def expand_urls(train_data: str, flag: str = "--train-data") -> list[str]:
@@ -55,8 +47,8 @@ def count_samples(url: str) -> int:
     """Number of samples (runs of tar members sharing a key) in one shard; reads headers only where it can."""
     count, key = 0, None
     try:
-        if _is_local(url):
-            tf = tarfile.open(_local_path(url), mode="r:*")  # seekable: skips member data
+        if is_local(url):
+            tf = tarfile.open(local_path(url), mode="r:*")  # seekable: skips member data
             stream = None
         else:
             stream = open_url(url)
@@ -77,10 +69,10 @@ def _read_json(url: str) -> Any:
     """The JSON document at `url` (local or remote, through the shards' own opener); None when it is absent
     or cannot be read. A file that is there but is not JSON raises DataError naming it."""
     try:
-        if _is_local(url):
-            if not os.path.isfile(_local_path(url)):
+        if is_local(url):
+            if not os.path.isfile(local_path(url)):
                 return None
-            with open(_local_path(url), "rb") as f:
+            with open(local_path(url), "rb") as f:
                 data = f.read()
         else:
             stream = open_url(url)
@@ -110,7 +102,7 @@ def _sizes_table(url: str) -> dict[str, int]:
 
 def stats_url(url: str) -> str | None:
     """img2dataset's stats file of a shard: NNNNN_stats.json beside NNNNN.tar; None for `pipe:` sources."""
-    if url.startswith("pipe:") or not url.endswith(".tar"):
+    if is_pipe(url) or not url.endswith(".tar"):
         return None
     return url[: -len(".tar")] + STATS_SUFFIX
 
@@ -127,17 +119,17 @@ def _stats_count(url: str) -> int | None:
 
 
 def _folder(url: str) -> str:
-    return os.path.dirname(os.path.abspath(_local_path(url))) if _is_local(url) else url.rsplit("/", 1)[0]
+    return os.path.dirname(os.path.abspath(local_path(url))) if is_local(url) else url.rsplit("/", 1)[0]
 
 
 def _from_size_files(urls: list[str], pool: ThreadPoolExecutor) -> tuple[list[int | None], int, int]:
     """Samples per shard from sizes.json, then img2dataset's stats files (None where neither has it), and how
     many came from each."""
     sizes: list[int | None] = [None] * len(urls)
-    folders = sorted({_folder(u) for u in urls if not u.startswith("pipe:")})
+    folders = sorted({_folder(u) for u in urls if not is_pipe(u)})
     tables = dict(zip(folders, pool.map(lambda f: _sizes_table(f + "/" + SIZES_FILE), folders), strict=True))
     for i, url in enumerate(urls):
-        if not url.startswith("pipe:"):
+        if not is_pipe(url):
             sizes[i] = tables[_folder(url)].get(url.rsplit("/", 1)[-1])
     from_table = sum(s is not None for s in sizes)
     wanted = [i for i, s in enumerate(sizes) if s is None and stats_url(urls[i]) is not None]
@@ -162,7 +154,7 @@ def shard_sizes(urls: list[str], *, threads: int = FETCH_THREADS) -> tuple[list[
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(urls)))) as pool:
         sizes, from_table, from_stats = _from_size_files(urls, pool)
         scan = [i for i, s in enumerate(sizes) if s is None]
-        remote = sum(not _is_local(urls[i]) for i in scan)
+        remote = sum(not is_local(urls[i]) for i in scan)
         if remote:
             logger.warning(
                 "counting the samples of %d remote shards by reading them whole (no %s entry or %s file beside "
