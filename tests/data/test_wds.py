@@ -172,7 +172,7 @@ def shard_server(tmp_path):
     server.server_close()
 
 
-def test_pipe_commands_holding_urls_headers_and_quotes_are_run_as_commands(tmp_path, shard_server):
+def test_pipe_commands_holding_urls_headers_and_quotes_are_run_as_commands(tmp_path, shard_server, caplog):
     """`pipe:curl ... http://...` (how open_clip users read LAION-style shards) is run by the shell wherever a
     shard is read: validated, counted (no sizes.json: a scan through the command), planned and read, with
     its header and quotes intact. Such a command once went to fsspec as a URL of protocol "pipe:curl ...
@@ -189,7 +189,11 @@ def test_pipe_commands_holding_urls_headers_and_quotes_are_run_as_commands(tmp_p
     parse_settings(["--train-data", command, "--dataset-type", "webdataset"])
     urls = expand_urls(command)
     assert len(urls) == 4 and urls[0].endswith('/00000.tar"')
-    assert shard_sizes(urls)[0] == [4, 4, 4, 4]
+    with caplog.at_level(logging.WARNING, logger="ds_clip.data"):
+        assert shard_sizes(urls)[0] == [4, 4, 4, 4]
+    assert (
+        "4 pipe: shards by running each command" in caplog.text and "sizes.json (ds-clip" not in caplog.text
+    )
     data = build(command, m=2, k=2, workers=1)
     assert sorted(c for step in captions(data, 0) for c in step) == sorted(f"s{i}" for i in range(16))
     assert data.skip_counts == {}

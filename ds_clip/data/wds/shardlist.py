@@ -154,7 +154,16 @@ def shard_sizes(urls: list[str], *, threads: int = FETCH_THREADS) -> tuple[list[
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(urls)))) as pool:
         sizes, from_table, from_stats = _from_size_files(urls, pool)
         scan = [i for i, s in enumerate(sizes) if s is None]
-        remote = sum(not is_local(urls[i]) for i in scan)
+        piped = sum(is_pipe(urls[i]) for i in scan)
+        remote = sum(not is_local(urls[i]) for i in scan) - piped
+        if piped:
+            # No file lies beside a command, so no size file can spare this read.
+            logger.warning(
+                "counting the samples of %d pipe: shards by running each command to its end (a command has no "
+                "%s beside it): --dataset-resampled with --train-num-samples starts without that read",
+                piped,
+                SIZES_FILE,
+            )
         if remote:
             logger.warning(
                 "counting the samples of %d remote shards by reading them whole (no %s entry or %s file beside "
