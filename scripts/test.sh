@@ -19,7 +19,7 @@ lint-imports
 # At the end: the 25 slowest test phases and each module's total (docs/start.md, "How long the suite may take").
 workers=${DS_CLIP_TEST_WORKERS:-2}
 set +e
-python -m pytest -ra --durations=25 -n "$workers" --dist loadgroup --no-loadscope-reorder "$@"
+python -m pytest -ra --durations=25 -n "$workers" --dist loadscope --no-loadscope-reorder "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected nothing: that is a broken suite, not a pass.

@@ -54,13 +54,13 @@ def _module_folders_removed(request, tmp_path_factory):
         shutil.rmtree(made, ignore_errors=True)
 
 
-# How scripts/test.sh runs the suite: two pytest-xdist workers (`-n 2 --dist loadgroup --no-loadscope-reorder`)
+# How scripts/test.sh runs the suite: two pytest-xdist workers (`-n 2 --dist loadscope --no-loadscope-reorder`)
 # on a 2-core machine. A launched run keeps one core idle for much of its life (the launcher's imports, rank 0
 # saving or evaluating while the others wait, a pip download, SLURM's scheduling), and a second worker fills it.
 #
-# Each module is one work unit (its xdist group), so its module-scoped fixtures (process groups that train many
-# cases, trained runs to resume, a fresh venv) are built once, on one worker. Modules that must not overlap share
-# a group: the two fresh-venv installs (several GB of disk each; a CI disk holds one at a time).
+# Each module is one work unit (pytest_xdist_make_scheduler below), so its module-scoped fixtures (process groups
+# that train many cases, trained runs to resume, a fresh venv) are built once, on one worker. Modules that must
+# not overlap share a unit: the two fresh-venv installs (several GB of disk each; a CI disk holds one at a time).
 SHARED_GROUPS = {
     "tests/test_install.py": "fresh-venvs",
     "tests/test_install_oldest.py": "fresh-venvs",
@@ -96,17 +96,33 @@ def _module(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
-@pytest.hookimpl(tryfirst=True)
+def _unit(nodeid: str) -> str:
+    module = _module(nodeid)
+    return SHARED_GROUPS.get(module, module)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's loadscope scheduling with our units: a module, or its SHARED_GROUPS name. (Not `--dist loadgroup`
+    with xdist_group marks: xdist suffixes `item._nodeid` with the group, which pytest 9 no longer reads into
+    `item.nodeid`, so every test became its own unit, a module's tests spread over both workers and each worker
+    built the module's fixtures: a fresh venv, a SLURM cluster, a process group's runs twice.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return ModuleUnits(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     order = {m: i for i, m in enumerate(LONGEST_FIRST)}
     by_group: dict[str, int] = {}
     for item in items:
-        module = _module(item.nodeid)
-        group = SHARED_GROUPS.get(module, module)
-        item.add_marker(pytest.mark.xdist_group(group))
-        by_group.setdefault(group, order.get(module, len(order)))
+        by_group.setdefault(_unit(item.nodeid), order.get(_module(item.nodeid), len(order)))
     # Stable: within a group, and among the modules not listed, collection order stays.
-    items.sort(key=lambda item: by_group[SHARED_GROUPS.get(_module(item.nodeid), _module(item.nodeid))])
+    items.sort(key=lambda item: by_group[_unit(item.nodeid)])
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
