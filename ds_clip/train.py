@@ -119,8 +119,13 @@ def dry_run(s: TrainSettings) -> None:
     accelerator); the settings and the JSON are printed as the run folder would get them. No process group,
     no model, no files written."""
     from ds_clip.data import build_train_data
-    from ds_clip.ds_config.presets import precision_mapping_text
-    from ds_clip.ds_config.resolve import format_sources
+    from ds_clip.ds_config.presets import precision_mapping_text, preset_label
+    from ds_clip.ds_config.resolve import (
+        derived_k_text,
+        fill_start_keys,
+        format_sources,
+        json_schedule_warning,
+    )
     from ds_clip.evaluate import check_train_inputs
     from ds_clip.training.engine import resolve_run  # the start's resolution (no process group)
     from ds_clip.training.schedule import RunLength, warmup_warning
@@ -136,22 +141,35 @@ def dry_run(s: TrainSettings) -> None:
         data_section(s.data, image_px=64), preprocess=_unused, tokenizer=_unused, rank=0, geometry=geometry
     )
     length = RunLength.of(s.optim, data.steps_per_epoch)
+    # The JSON as the start fills it: the run's length, and the model's hidden size for "auto" buckets.
+    cfg = ds.config
+    hidden = 0
+    if any(path.startswith("zero_optimization.") for path, _ in ds.start_keys):
+        from ds_clip.training.engine import build_model_bundle, hidden_size
+
+        hidden = hidden_size(build_model_bundle(s.model, seed=s.data.seed, load_published=False).model)
+    fill_start_keys(cfg, hidden_size=hidden, total_steps=length.total_steps)
     print(f"# settings ({s.logging.logs}/{s.logging.name}/settings.json)")
     print(json.dumps(settings_to_dict(s), indent=2))
-    print(f"# batch: {geometry.describe()}")
+    print(f"# batch: {geometry.describe()}{derived_k_text(s, world_size)}")
     print(f"# length: {length.describe()}")
-    warning = warmup_warning(s.optim, length.total_steps)
+    warning = (
+        json_schedule_warning(cfg, preset_label(ds.preset), length.total_steps)
+        if "scheduler" in cfg
+        else warmup_warning(s.optim, length.total_steps)
+    )
     if warning:
         print(f"# warning: {warning}")
     if s.optim.global_batch_size is not None:
-        print(f"# k on other world sizes (--batch-size {geometry.micro_batch_size}): {_k_table(s)}")
+        m_from = "--batch-size" if s.chosen("batch_size") else "m"
+        print(f"# k on other world sizes ({m_from} {geometry.micro_batch_size}): {_k_table(s)}")
     print(f"# --precision: DeepSpeed {s.dist.precision} ({precision_mapping_text()})")
     print(
         f"# DeepSpeed JSON for world size {world_size} on the {ds.accelerator} accelerator (ds_config.json)"
     )
-    print(ds.json_text)
+    print(json.dumps(cfg, indent=2))
     print("# where each DeepSpeed key came from (flag, JSON file, auto <- what filled it, default, ds_clip)")
-    print(format_sources(ds))
+    print(format_sources(ds, cfg, geometry))
     for note in ds.notes:
         print(f"# {note}")
     if s.optim.optimizer == "muon":

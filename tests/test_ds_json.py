@@ -415,3 +415,279 @@ def test_apex_amp_off_is_dropped_and_on_is_refused(tmp_path):
     assert "amp" not in ds.config and any(n.startswith("amp (NVIDIA apex") for n in ds.notes)
     with pytest.raises(SettingsError, match="amp.enabled=true in .*: NVIDIA apex's amp was removed"):
         parse_settings(["--ds-config", _json(tmp_path, {"amp": {"enabled": True}})])
+
+
+# ------------------------------------------------------------------ what DeepSpeed makes of a file
+
+# A cluster's file as users write it: the optimizer's lr, and a warm-up to a higher peak (DeepSpeed's own docs pair).
+PEAK = {
+    "train_micro_batch_size_per_gpu": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.05}},
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-4, "warmup_num_steps": 2},
+    },
+    "zero_optimization": {"stage": 1},
+}
+
+
+def test_a_warmup_schedulers_peak_is_the_lr_as_deepspeed_sets_it(tmp_path):
+    """DeepSpeed's WarmupLR sets every group's lr itself and peaks at warmup_max_lr, whatever the optimizer's lr:
+    the run's lr is 3e-4, and no line names --lr, which nobody passed. A passed --lr still wins, saying so."""
+    path = _json(tmp_path, PEAK)
+    s, ds = _resolve(["--ds-config", path])
+    assert s.optim.lr == 3e-4 and s.sources["lr"] == "ds_json"
+    assert ds.config["scheduler"]["params"]["warmup_max_lr"] == 3e-4
+    assert not [n for n in ds.notes if "--lr" in n], ds.notes
+    assert any(
+        "warmup_max_lr=0.0003" in n and "optimizer.params.lr=0.0001 is not used" in n for n in ds.notes
+    )
+    s, ds = _resolve(["--ds-config", path, "--lr", "1e-3"])
+    assert ds.config["scheduler"]["params"]["warmup_max_lr"] == 1e-3
+    assert f"--lr 0.001 over scheduler.params.warmup_max_lr=0.0003 in {path}" in ds.notes
+
+
+MUON_RATES = {
+    "train_micro_batch_size_per_gpu": 2,
+    "optimizer": {"type": "Muon", "params": {"muon_lr": 0.02, "adam_lr": 3e-4, "momentum": 0.95}},
+    "zero_optimization": {"stage": 1},
+}
+
+
+def test_muons_two_rates_pass_on_and_a_passed_lr_replaces_both_in_one_line(tmp_path):
+    path = _json(tmp_path, MUON_RATES)
+    s, ds = _resolve(["--ds-config", path])
+    params = ds.config["optimizer"]["params"]
+    assert (params["muon_lr"], params["adam_lr"]) == (0.02, 3e-4) and not ds.notes
+    s, ds = _resolve(["--ds-config", path, "--lr", "1e-3"])
+    assert (
+        "muon_lr" not in ds.config["optimizer"]["params"]
+        and "adam_lr" not in ds.config["optimizer"]["params"]
+    )
+    assert ds.notes == (
+        f"--lr 0.001 over optimizer.params.muon_lr=0.02 and optimizer.params.adam_lr=0.0003 in {path}: Muon and "
+        "its AdamW both train at --lr",
+    )
+    # One LR for every group would overwrite both rates: refused, naming the keys.
+    with_one_lr = {**MUON_RATES, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}}
+    with pytest.raises(
+        SettingsError, match=r'scheduler.type="WarmupLR" .* overwrite optimizer.params.muon_lr and'
+    ):
+        parse_settings(["--ds-config", _json(tmp_path, with_one_lr)])
+
+
+def _mt5_clip(tmp_path):
+    """A CLIP whose text tower is an mT5 encoder (open_clip's mt5 towers, from a local config: no download)."""
+    from open_clip.model import CustomTextCLIP
+    from transformers import MT5Config
+
+    MT5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
+        decoder_start_token_id=0,
+    ).save_pretrained(tmp_path / "mt5")  # fmt: skip
+    return CustomTextCLIP(
+        embed_dim=16,
+        vision_cfg={"image_size": 32, "patch_size": 8, "width": 32, "layers": 1, "head_width": 16},
+        text_cfg={"hf_model_name": str(tmp_path / "mt5"), "hf_model_pretrained": False, "hf_proj_type": "linear",
+                  "hf_pooler_type": "mean_pooler", "context_length": 8, "vocab_size": 64},
+    )  # fmt: skip
+
+
+def test_muon_takes_hidden_matrices_by_module_type_not_by_shape(tmp_path):
+    """T5's relative_attention_bias is a 2-D nn.Embedding inside a block: AdamW's. The blocks' Linear weights
+    and the ViT's fused attention projection are Muon's."""
+    from ds_clip.training.optim import pin_muon_tags
+
+    muon, adam = pin_muon_tags(_mt5_clip(tmp_path))
+    bias = "text.transformer.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    assert bias in adam and bias not in muon
+    assert "text.transformer.block.0.layer.0.SelfAttention.q.weight" in muon
+    assert "text.transformer.block.1.layer.1.DenseReluDense.wo.weight" in muon
+    assert "visual.transformer.resblocks.0.attn.in_proj_weight" in muon
+    assert "visual.transformer.resblocks.0.attn.out_proj.weight" in muon
+    for name in ("text.transformer.embed_tokens.weight", "text.proj.weight", "visual.conv1.weight"):
+        assert name in adam, name
+    assert not [n for n in muon if "layer_norm" in n or n.endswith("bias")]
+
+
+def test_muon_on_zero3_turns_reduce_scatter_off_in_one_line_or_refuses_a_files_true(tmp_path):
+    """DeepSpeed's own configuration page's Muon example (ZeRO-3): DeepSpeed's default reduce_scatter true raises
+    "Muon and reduce scatter cannot be used together" on every rank."""
+    path = str(PUBLIC / "deepspeed_docs_config-json_muon_zero3.json")
+    s, ds = _resolve(["--ds-config", path])
+    assert s.optim.optimizer == "muon" and ds.config["zero_optimization"]["reduce_scatter"] is False
+    assert [n for n in ds.notes if "reduce_scatter" in n] == [
+        f"zero_optimization.reduce_scatter=false for Muon on ZeRO stage 3 ({path}; DeepSpeed's default true raises "
+        "'Muon and reduce scatter cannot be used together'): the gradients are all-reduced instead"
+    ]
+    asked = json.loads(Path(path).read_text())
+    asked["zero_optimization"]["reduce_scatter"] = True
+    with pytest.raises(
+        SettingsError, match=r"zero_optimization.reduce_scatter=true in .*: DeepSpeed's Muon on ZeRO"
+    ):
+        parse_settings(["--ds-config", _json(tmp_path, asked)])
+    # The flags ask the same of a shipped ZeRO-3 preset, which sets it true: turned off, one note.
+    s, ds = _resolve(["--opt", "muon", "--ds-config", "zero3_fp32"])
+    assert ds.config["zero_optimization"]["reduce_scatter"] is False
+    assert any("ds_configs/zero3_fp32.json set it to true" in n for n in ds.notes), ds.notes
+
+
+def test_bf16_master_weights_with_torch_autocast_run_as_deepspeed_runs_them():
+    """DeepSpeedExamples' bf16_master_weight config enables bf16 (bf16 master weights, gradients and optimizer
+    states) and torch_autocast together: DeepSpeed runs the pair, and so does ds_clip, as written."""
+    path = str(PUBLIC / "dse_bf16_master_weight_bf16_full.json")
+    s, ds = _resolve(["--ds-config", path])
+    assert s.dist.precision == "bf16" and s.sources["precision"] == "ds_json"
+    cfg = ds.config
+    assert cfg["torch_autocast"] == {"enabled": True, "dtype": "torch.bfloat16"}
+    assert cfg["bf16"] == {
+        "enabled": True,
+        "bf16_master_weights_and_grads": True,
+        "bf16_optimizer_states": True,
+    }
+    assert cfg["fp16"]["enabled"] is False and not ds.notes
+
+
+def test_zenflow_is_refused_naming_the_key_and_why(tmp_path):
+    """DeepSpeed's ZenFlow tutorial config: refused before any rank starts, in words a command-line user can act on
+    (DeepSpeed's ZenFlow runs its own accumulation over update_interval steps)."""
+    zenflow = {
+        "zero_optimization": {
+            "stage": 2,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "zenflow": {"topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "auto",
+                        "update_interval": 4, "full_warm_up_rounds": 0, "overlap_step": True},
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-5}},
+        "train_batch_size": 8,
+        "gradient_accumulation_steps": 1,
+    }  # fmt: skip
+    path = _json(tmp_path, zenflow)
+    with pytest.raises(SettingsError) as e:
+        parse_settings(["--ds-config", path])
+    msg = str(e.value)
+    assert msg.startswith(f"zero_optimization.zenflow in {path}: ZenFlow") and "\n" not in msg
+    assert "update_interval" in msg and "step_engine_config" not in msg and "remove it" in msg
+
+
+@pytest.mark.parametrize(
+    ("block", "says"),
+    [
+        ({"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2, "total_num_steps": 6}},
+         "ends at total_num_steps=6, and the run has 100 optimizer steps: the last 94 train at lr 0"),
+        ({"type": "WarmupCosineLR", "params": {"warmup_num_steps": 2, "total_num_steps": 6, "cos_min_ratio": 0.1}},
+         "the last 94 train at cos_min_ratio=0.1 of the peak lr"),
+        ({"type": "OneCycle", "params": {"cycle_min_lr": 1e-5, "cycle_max_lr": 1e-3, "cycle_first_step_size": 3}},
+         "cycle_first_step_size + cycle_second_step_size = 6 steps, and the run has 100 optimizer steps: the last "
+         "94 train at cycle_min_lr=1e-05"),
+        ({"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3, "warmup_num_steps": 500}},
+         "warms up over warmup_num_steps=500 steps, not fewer than the run's 100 optimizer steps"),
+    ],
+)  # fmt: skip
+def test_a_json_schedule_shorter_than_the_run_is_warned_of(tmp_path, block, says):
+    from ds_clip.ds_config.resolve import json_schedule_warning
+
+    path = _json(tmp_path, {"zero_optimization": {"stage": 1}, "scheduler": block})
+    s, ds = _resolve(["--ds-config", path])
+    cfg = ds.config
+    fill_start_keys(cfg, hidden_size=8, total_steps=100)
+    warning = json_schedule_warning(cfg, path, 100)
+    assert warning is not None and warning.startswith(f"scheduler {block['type']} in {path} ")
+    assert says in warning, warning
+    assert json_schedule_warning(cfg, path, 6 if block["type"] != "WarmupLR" else 501) is None
+
+
+def test_dry_run_shows_the_values_that_run_and_names_no_flag_left_out(tmp_path, capsys):
+    """total_num_steps "auto" as the run fills it, train_batch_size as the N of the file, the JSON's short schedule
+    warned of, and k derived from the file's key, not from a --global-batch-size nobody passed."""
+    from ds_clip.train import main
+
+    short = {
+        "train_batch_size": 8,
+        "gradient_accumulation_steps": 2,
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 1, "total_num_steps": "auto"}},
+        "zero_optimization": {"stage": 1},
+    }
+    path = _json(tmp_path, short)
+    assert main(["--dry-run", "--ds-config", path, "--max-steps", "6"]) == 0
+    out = capsys.readouterr().out
+    table = out.split("# where each DeepSpeed key came from")[1]
+    rows = {
+        ln.split()[0]: ln.split(None, 2) for ln in table.splitlines()[1:] if ln and not ln.startswith("#")
+    }
+    assert rows["scheduler.params.total_num_steps"][1] == "6"
+    assert rows["train_batch_size"][1] == "8" and rows["train_batch_size"][2].startswith(
+        "N = m x k x W = 4 x 2 x 1"
+    )
+    assert rows["gradient_accumulation_steps"][1] == "2"
+    cfg = json.loads(out.split("(ds_config.json)\n", 1)[1].split("\n# where", 1)[0])
+    assert cfg["scheduler"]["params"]["total_num_steps"] == 6 and '"auto"' not in json.dumps(cfg)
+    assert f"(k derived from train_batch_size=8 in {path} on 1 rank)" in out
+    assert "--global-batch-size" not in out and "--batch-size" not in out and " 1 ranks" not in out
+    # A file whose schedule ends before the run: warned of here as at start.
+    short["scheduler"]["params"]["total_num_steps"] = 3
+    assert main(["--dry-run", "--ds-config", _json(tmp_path, short), "--max-steps", "6"]) == 0
+    assert "# warning: scheduler WarmupDecayLR in " in capsys.readouterr().out
+
+
+def _trained_rates(model: str, runs: list[list[str]]) -> list[dict]:
+    """One rank: the trainer's engine for each command line (its one engine builder), then three optimizer steps;
+    the lr of each optimizer group DeepSpeed built, before the first step and after the last."""
+    from ds_clip.step.cached import cached_step
+    from ds_clip.training.engine import build_engine, build_model_bundle, resolve_run
+    from ds_clip_harness.runs import RunSpec, step_micro_batches
+
+    out = []
+    for argv in runs:
+        s = parse_settings(["--model", model, "--workers", "0", *argv])
+        bundle = build_model_bundle(s.model, seed=s.data.seed)
+        geometry, ds = resolve_run(s, 1)
+        built = build_engine(
+            bundle, geometry, ds, model=s.model, optim=s.optim, loss=s.loss, seed=s.data.seed, rank=0,
+            total_steps=100,
+        )  # fmt: skip
+        engine = built.engine
+        names = {id(p): n for n, p in bundle.model.named_parameters()}
+
+        def groups(engine=engine, names=names):
+            return [
+                (g.get("use_muon"), g["lr"], [names[id(p)] for p in g["params"] if id(p) in names])
+                for g in engine.basic_optimizer.param_groups
+            ]
+
+        before = groups()
+        spec = RunSpec(model=model, micro_batch_size=geometry.micro_batch_size, accum_freq=1, steps=3)
+        for step in range(3):
+            batches, _ = step_micro_batches(spec, bundle.model_cfg, step, 0, 1)
+            cached_step(engine, batches, built.loss_fn)
+        out.append({"before": before, "after": groups()})
+        engine.destroy()
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_engine_trains_at_the_files_peak_and_at_muons_two_rates(tmp_path):
+    """Read back from the optimizer DeepSpeed built: after WarmupLR's two warm-up steps every group trains at
+    warmup_max_lr 3e-4 (not the optimizer block's 1e-4); Muon's half of every group starts at muon_lr 0.02 and
+    the AdamW half at adam_lr 3e-4; --text-lr scales both halves of the text tower as it scales --lr."""
+    from ds_clip.training.optim import tower_of
+    from ds_clip_harness.groups import spawn_group
+    from ds_clip_harness.models import write_model_dirs
+
+    model = write_model_dirs(tmp_path / "models")["vit"]
+    peak = _json(tmp_path, PEAK, "peak.json")
+    # ZeRO-0: the optimizer DeepSpeed built holds the model's own parameters, named here.
+    muon = _json(tmp_path, {**MUON_RATES, "zero_optimization": {"stage": 0}}, "muon.json")
+    lr = parse_settings([]).optim.lr
+    runs = [["--ds-config", peak], ["--ds-config", muon, "--warmup", "0", "--text-lr", str(lr / 2)]]
+    peak_run, muon_run = spawn_group(1, _trained_rates, model, runs)
+    assert [r for _, r, _ in peak_run["after"]] == pytest.approx([3e-4] * len(peak_run["after"]), rel=1e-12)
+    halves = muon_run["before"]
+    assert {m for m, _, _ in halves} == {True, False}
+    for use_muon, rate, members in halves:
+        towers = {tower_of(n) for n in members}
+        assert "text" not in towers or towers == {"text"}, members  # a group holds one lr
+        scale = 0.5 if towers == {"text"} else 1.0
+        assert rate == pytest.approx((0.02 if use_muon else 3e-4) * scale, rel=1e-12), (use_muon, members)
+    assert any(m and r == pytest.approx(0.01) for m, r, _ in halves)  # the text tower's Muon half

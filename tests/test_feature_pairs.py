@@ -129,7 +129,7 @@ def test_pretrained_resume_global_batch_ema_validation_remote(tmp_path):
     rc, out = _run(launch.torchrun(*_args(model, logs, "p", remote, "--lock-image", steps=4)))
     assert rc == 0, out[-4000:]
     assert "resumed from" in out and "at step 2" in out and "on a new world size" in out, out[-3000:]
-    assert "k derived from --global-batch-size 16 on 1 ranks" in out and "accum-freq k=4" in out, out[-3000:]
+    assert "k derived from --global-batch-size 16 on 1 rank)" in out and "accum-freq k=4" in out, out[-3000:]
     assert "does not keep it" not in out
     again, again_ema = _export(run, tmp_path / "e2"), _export(run, tmp_path / "e2ema", "--ema")
     assert all(torch.equal(again[k], published[k]) for k in visual)

@@ -53,7 +53,25 @@ OUTCOMES: dict[str, str | None] = {
     "deepspeed_pipeline_parallelism_ds_config.json": None,
     "deepspeed_gan_deepspeed_config.json": None,
     "eva_clip_deepspeed_config.json": FP16,
+    "deepspeed_docs_config-json_muon_zero3.json": None,
+    "dse_bf16_master_weight_bf16_full.json": None,
     "eva_EVA-CLIP_rei_deepspeed_config.json": 'optimizer.type="LAMB" with zero_optimization.offload_optimizer in {path}',
+}
+# What DeepSpeed needs of a file to run it as written, in the JSON the engine got.
+ENGINE_KEYS: dict[str, dict] = {
+    # Muon on ZeRO-3: DeepSpeed's default reduce_scatter true raises on every rank.
+    "deepspeed_docs_config-json_muon_zero3.json": {
+        "zero_optimization": {
+            "stage": 3,
+            "save_muon_momentum_buffer_in_memory": True,
+            "reduce_scatter": False,
+        }
+    },
+    # bf16 weights (and bf16 master copies) under torch.autocast, both as the file enables them.
+    "dse_bf16_master_weight_bf16_full.json": {
+        "torch_autocast": {"enabled": True, "dtype": "torch.bfloat16"},
+        "bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+    },
 }
 FP16_REFUSAL = (
     "the enabled fp16 section of {path} (DeepSpeed fp16): this machine's cpu accelerator has no fp16"
@@ -130,6 +148,8 @@ def test_each_public_file_trains_two_steps_on_two_ranks_or_is_refused_in_one_lin
             ds = json.loads((run / "ds_config.json").read_text())
             assert ds["gradient_accumulation_steps"] == 1, name
             assert not re.search(r'"auto"', (run / "ds_config.json").read_text()), name
+            for section, keys in ENGINE_KEYS.get(name, {}).items():
+                assert {k: ds[section].get(k) for k in keys} == keys, (name, section, ds[section])
         else:
             assert code == 2, (name, code, lines)
             assert len(lines) == 1 and lines[0].startswith("ds-clip-train: error: "), (name, lines)

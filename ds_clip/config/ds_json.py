@@ -82,6 +82,13 @@ def precision_of(cfg: dict[str, Any], label: str) -> tuple[str, str] | None:
                 f"torch_autocast.dtype={_js(autocast.get('dtype'))} in {label}: bfloat16 or float16"
             )
         found.append((_AUTOCAST[dtype], "torch_autocast.enabled"))
+    if [k for _, k in found] in (
+        ["bf16.enabled", "torch_autocast.enabled"],
+        ["bfloat16.enabled", "torch_autocast.enabled"],
+    ) and found[1][0] == "amp_bf16":
+        # DeepSpeed runs its bf16 engine (bf16 weights, with bf16_master_weights_and_grads bf16 master copies too)
+        # under torch.autocast: DeepSpeedExamples' bf16_master_weight configs enable both.
+        return found[0]
     if len(found) > 1:
         raise SettingsError(f"{label} enables {' and '.join(k for _, k in found)}: keep one precision")
     return found[0] if found else None
@@ -173,12 +180,9 @@ def _scheduler(cfg: dict[str, Any], lift: _Lift) -> None:
     if steps is not None and not is_auto(steps):
         lift.put("warmup", int(_number("scheduler.params.warmup_num_steps", steps, label)))
     peak = params.get("warmup_max_lr")
-    opt_lr = (
-        (cfg.get("optimizer") or {}).get("params", {}).get("lr")
-        if isinstance(cfg.get("optimizer"), dict)
-        else None
-    )
-    if peak is not None and not is_auto(peak) and (opt_lr is None or is_auto(opt_lr)):
+    if kind in ("WarmupLR", "WarmupDecayLR") and peak is not None and not is_auto(peak):
+        # DeepSpeed's WarmupLR/WarmupDecayLR set every group's lr themselves and peak at warmup_max_lr, whatever
+        # the optimizer block's lr: the file's peak is the run's --lr (a passed --lr still wins over both).
         lift.put("lr", _number("scheduler.params.warmup_max_lr", peak, label))
 
 

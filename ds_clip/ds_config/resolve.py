@@ -48,6 +48,8 @@ from ds_clip.ds_config.rules import (
     hardware_blocker,
     js,
     json_object,
+    json_schedule_warning,
+    muon_reduce_scatter,
     optimizer_block,
     optimizer_section,
     precision_sections,
@@ -304,6 +306,7 @@ def resolve_deepspeed(
     precision_sections(cfg, settle, zero.stage)
     clipping(cfg, settle, o.grad_clip_norm)
     optimizer_section(cfg, settle, o, zero)
+    muon_reduce_scatter(cfg, settle, o, zero, shipped=not str(preset).endswith(".json"))
     scheduler = scheduler_section(cfg, settle, o)
     if scheduler is not None and s.sources is None:
         raise SettingsError(
@@ -430,10 +433,40 @@ def key_sources(
     return out
 
 
-def format_sources(ds: ResolvedDeepSpeed) -> str:
-    """--dry-run's table: every effective DeepSpeed key, its value and where it came from."""
-    cfg = ds.config
+def derived_k_text(s: Any, world_size: int) -> str:
+    """The start line's account of a k derived from the global batch N, naming where N came from (--global-batch-
+    size, or the file's train_batch_size); "" where k was not derived. ``s``: the run's ``TrainSettings``."""
+    n = s.optim.global_batch_size
+    if n is None:
+        return ""
+    source = (
+        f"train_batch_size={n} in {preset_label(s.dist.ds_config)}"
+        if (s.sources or {}).get("global_batch_size") == "ds_json" and s.dist.ds_config is not None
+        else f"the recipe's --global-batch-size {n}"
+        if (s.sources or {}).get("global_batch_size") == "recipe"
+        else f"--global-batch-size {n}"
+    )
+    return f" (k derived from {source} on {world_size} rank{'s' if world_size != 1 else ''})"
+
+
+def format_sources(
+    ds: ResolvedDeepSpeed, cfg: dict[str, Any] | None = None, geometry: BatchGeometry | None = None
+) -> str:
+    """--dry-run's table: every effective DeepSpeed key, its value and where it came from. ``cfg``: the JSON with
+    its start keys filled (default: ``ds.config``); with ``geometry``, the batch keys show the optimizer step's
+    N and k, as the user counts them, beside what the engine runs."""
+    cfg = ds.config if cfg is None else cfg
     rows = [(path, js(_lookup(cfg, path)), source) for path, source in ds.sources]
+    if geometry is not None:
+        g = geometry
+        engine = f"the engine runs one micro-batch per step: train_batch_size m x W = {g.micro_batch_size * g.world_size}"
+        shown = {
+            "train_batch_size": (js(g.global_batch), f"N = m x k x W = {g.micro_batch_size} x {g.accum_freq} x "
+                                 f"{g.world_size} pairs per optimizer step ({engine} in ds_config.json)"),
+            "gradient_accumulation_steps": (js(g.accum_freq), "k, run as ds_clip's exact cached accumulation "
+                                            "(gradient_accumulation_steps 1 in ds_config.json)"),
+        }  # fmt: skip
+        rows = [(p, *shown[p]) if p in shown else (p, v, src) for p, v, src in rows]
     width = max(len(p) for p, _, _ in rows)
     vwidth = min(24, max(len(v) for _, v, _ in rows))
     return "\n".join(f"{p:<{width}}  {v:<{vwidth}}  {src}" for p, v, src in rows)
@@ -507,8 +540,10 @@ __all__ = [
     "DeepSpeedRequest",
     "ResolvedDeepSpeed",
     "SettingsError",
+    "derived_k_text",
     "fill_start_keys",
     "format_sources",
+    "json_schedule_warning",
     "bn_sync_blocker",
     "check_preset",
     "default_preset",

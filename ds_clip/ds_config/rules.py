@@ -329,6 +329,16 @@ def refuse_not_done(cfg: dict[str, Any], label: str) -> list[str]:
         if key in cfg and _enabled(cfg[key]):
             raise SettingsError(f"{key} in {label}: ds_clip does not run {what}; remove it")
     zero = cfg.get("zero_optimization") or {}
+    if isinstance(zero, dict) and zero.get("zenflow") is not None:
+        # DeepSpeed 0.19.8's ZenFlow (engine.configure_zenflow) sets the engine's gradient_accumulation_steps to
+        # its update_interval and applies the less important gradients' updates later, on the CPU: a step
+        # would not apply the one averaged gradient of its N pairs.
+        raise SettingsError(
+            f"zero_optimization.zenflow in {label}: ZenFlow updates the most important gradient columns each step "
+            "and applies the rest later, asynchronously on the CPU (every update_interval steps), so a step would "
+            "not apply the exact averaged gradient of its batch that ds_clip trains with; remove it "
+            "(zero_optimization.offload_optimizer without zenflow trains)"
+        )
     hpz = zero.get("zero_hpz_partition_size", 1) if isinstance(zero, dict) else 1
     if isinstance(hpz, int) and hpz > 1:
         raise SettingsError(
@@ -423,7 +433,12 @@ def precision_sections(cfg: dict[str, Any], settle: Settle, stage: Any) -> None:
             raise SettingsError(f"{label} has both bf16 and bfloat16 sections: keep bf16")
         cfg["bf16"] = cfg.pop("bfloat16")
     autocast = cfg.get("torch_autocast")
-    if isinstance(autocast, dict) and autocast.get("enabled") is True:
+    bf16_too = isinstance(cfg.get("bf16"), dict) and cfg["bf16"].get("enabled") is True
+    if bf16_too and precision == "bf16" and isinstance(autocast, dict) and autocast.get("enabled") is True:
+        # The file enables bf16 and torch_autocast together (DeepSpeedExamples' bf16_master_weight configs):
+        # DeepSpeed runs its bf16 engine under torch.autocast, as written (config.ds_json.precision_of).
+        pass
+    elif isinstance(autocast, dict) and autocast.get("enabled") is True:
         if s.sources is None:
             raise _conflict("torch_autocast.enabled", True, label, "--precision", precision)
         settle.notes.append(
@@ -513,6 +528,22 @@ def _json_optimizer_params(block: Any, settle: Settle, o: OptimValues, params: d
     if optimizer_of(kind, given, label) != o.optimizer:
         raise _conflict("optimizer.type", kind, label, "--opt", o.optimizer)
     merged = dict(given)
+    sources = settle.s.sources or {}
+    lr = merged.get("lr")
+    if sources.get("lr") == "ds_json" and lr is not None and not is_auto(lr) and not _same(lr, o.lr):
+        # The file's scheduler peak became the lr (config.ds_json): DeepSpeed's WarmupLR sets the lr itself.
+        settle.notes.append(
+            f"scheduler.params.warmup_max_lr={js(o.lr)} in {label} is the peak lr (DeepSpeed's scheduler sets the "
+            f"lr itself): optimizer.params.lr={js(lr)} is not used"
+        )
+        merged["lr"] = o.lr
+    rates = {k: merged[k] for k in ("muon_lr", "adam_lr") if k in merged}
+    if o.optimizer == "muon" and rates and sources.get("lr") in ("flag", "recipe"):
+        # --lr passed: both halves train at it (the groups carry it), so the file's two rates go.
+        for key in rates:
+            del merged[key]
+        shown = " and ".join(f"optimizer.params.{k}={js(v)}" for k, v in rates.items())
+        settle.notes.append(f"--lr {o.lr} over {shown} in {label}: Muon and its AdamW both train at --lr")
     for key in list(params):
         shown = params[key] if key != "betas" else f"{o.beta1}/{o.beta2}"
         if key in _OPTIMIZER_FLAGS:
@@ -548,6 +579,32 @@ def optimizer_section(cfg: dict[str, Any], settle: Settle, o: OptimValues, zero:
     if o.optimizer in ("adamw", "adam"):
         _adam_kernel(params, zero, label)
     cfg["optimizer"] = {"type": ds_type, "params": params}
+
+
+def muon_reduce_scatter(
+    cfg: dict[str, Any], settle: Settle, o: OptimValues, zero: ZeroFacts, shipped: bool
+) -> None:
+    """Muon on ZeRO-3 needs zero_optimization.reduce_scatter false: DeepSpeed 0.19.8's stage3.py raises "Muon and
+    reduce scatter cannot be used together" on every rank, and the key defaults to true. Left to its default
+    (or set by a shipped preset), it is turned off with one note; a user's file that asks for true is refused
+    naming the key, before any rank starts."""
+    if o.optimizer != "muon" or zero.stage != 3:
+        return
+    section = cfg["zero_optimization"]
+    value = section.get("reduce_scatter")
+    if value is not None and not is_auto(value) and value is not False and not shipped:
+        raise SettingsError(
+            f"zero_optimization.reduce_scatter={js(value)} in {settle.label}: DeepSpeed's Muon on ZeRO stage 3 "
+            "needs it false (Muon orthogonalises whole matrices, and reduce-scatter leaves each rank a slice): "
+            "set it to false or remove it"
+        )
+    if value is not False:
+        section["reduce_scatter"] = False
+        settle.notes.append(
+            f"zero_optimization.reduce_scatter=false for Muon on ZeRO stage 3 ({settle.label}"
+            f"{'' if value is None else ' set it to ' + js(value)}; DeepSpeed's default true raises 'Muon and "
+            "reduce scatter cannot be used together'): the gradients are all-reduced instead"
+        )
 
 
 def _adam_kernel(params: dict[str, Any], zero: ZeroFacts, label: str) -> None:
@@ -602,6 +659,13 @@ def scheduler_section(cfg: dict[str, Any], settle: Settle, o: OptimValues) -> st
             raise SettingsError(
                 f'scheduler.params.{key}="auto" in {label}: ds_clip has no setting to fill it with; write a value'
             )
+    rates = [k for k in ("muon_lr", "adam_lr") if k in (cfg.get("optimizer") or {}).get("params", {})]
+    if kind in ONE_LR_SCHEDULERS and o.optimizer == "muon" and rates:
+        raise SettingsError(
+            f"scheduler.type={js(kind)} in {label} sets one LR for every parameter group, which would overwrite "
+            f"optimizer.params.{' and '.join(rates)} (DeepSpeed's Muon and AdamW halves): use WarmupCosineLR (it "
+            "scales each group's own LR) or drop those keys"
+        )
     per_group = o.visual_lr is not None or o.text_lr is not None or o.visual_ld != 1.0 or o.text_ld != 1.0
     if kind in ONE_LR_SCHEDULERS and per_group:
         raise SettingsError(
@@ -738,3 +802,59 @@ def quiet_engine(cfg: dict[str, Any]) -> None:
     cfg.setdefault("steps_per_print", STEPS_PER_PRINT)  # a preset may ask for DeepSpeed's prints
     cfg.setdefault("wall_clock_breakdown", False)  # a preset may ask for DeepSpeed's timers
     cfg["zero_allow_untested_optimizer"] = True  # torch AdamW under ZeRO is "untested" to DeepSpeed
+
+
+def _steps(params: dict[str, Any], key: str, default: Any = None) -> int | None:
+    value = params.get(key, default)
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def json_schedule_warning(cfg: dict[str, Any], label: str, total_steps: int) -> str | None:
+    """What the start line (and --dry-run) warns of when a JSON's scheduler block, as DeepSpeed 0.19.8 steps it
+    once per optimizer step, ends before a run of ``total_steps`` does (its "auto" keys filled): WarmupDecayLR
+    then trains at lr 0, WarmupCosineLR at cos_min_ratio of the peak, OneCycle at cycle_min_lr (decaying with
+    decay_lr_rate); or whose warm-up is not shorter than the run (the peak is never reached). None otherwise."""
+    block = cfg.get("scheduler")
+    if not isinstance(block, dict) or total_steps < 1:
+        return None
+    kind, params = block.get("type"), block.get("params") or {}
+    where = f"scheduler {kind} in {label}"
+    if kind in ("WarmupDecayLR", "WarmupCosineLR"):
+        end = _steps(params, "total_num_steps")
+        if end is not None and end < total_steps:
+            after = (
+                "at lr 0"
+                if kind == "WarmupDecayLR"
+                else f"at cos_min_ratio={js(params.get('cos_min_ratio', 0.01))} of the peak lr"
+            )
+            return (
+                f"{where} ends at total_num_steps={end}, and the run has {total_steps} optimizer steps: the last "
+                f'{total_steps - end} train {after}; set total_num_steps to {total_steps} (or "auto") or stop '
+                f"the run at --max-steps {end}"
+            )
+    if kind == "OneCycle":
+        first = _steps(params, "cycle_first_step_size", 2000)
+        second = _steps(params, "cycle_second_step_size", first)
+        if first is not None and second is not None and first + second < total_steps:
+            decay = params.get("decay_lr_rate", 0.0)
+            after = f"cycle_min_lr={js(params.get('cycle_min_lr'))}" + (
+                f" decaying with decay_lr_rate={js(decay)}" if decay else ""
+            )
+            return (
+                f"{where} ends its cycle after cycle_first_step_size + cycle_second_step_size = {first + second} "
+                f"steps, and the run has {total_steps} optimizer steps: the last {total_steps - first - second} "
+                f"train at {after}; lengthen the cycle or stop the run at --max-steps {first + second}"
+            )
+    if kind in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+        warmup = _steps(params, "warmup_num_steps", 1000)
+        if warmup is not None and warmup >= total_steps:
+            peak = (
+                f"warmup_max_lr={js(params.get('warmup_max_lr'))}"
+                if kind != "WarmupCosineLR"
+                else "the peak lr"
+            )
+            return (
+                f"{where} warms up over warmup_num_steps={warmup} steps, not fewer than the run's {total_steps} "
+                f"optimizer steps: the lr rises all run long and never reaches {peak}; lower warmup_num_steps"
+            )
+    return None

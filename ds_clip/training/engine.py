@@ -23,7 +23,13 @@ from ds_clip.geometry import BatchGeometry
 from ds_clip.models.model import ModelBundle, Teacher, build_model, prepare_for_deepspeed
 from ds_clip.step.caption import CaptionLoss, caption_loss_for
 from ds_clip.step.loss import ContrastiveLoss, LossSpec, resolve_impl
-from ds_clip.training.optim import format_groups, format_muon_split, param_groups_for, pin_muon_tags
+from ds_clip.training.optim import (
+    format_groups,
+    format_muon_split,
+    muon_groups,
+    param_groups_for,
+    pin_muon_tags,
+)
 from ds_clip.training.schedule import build_scheduler, schedule_for
 
 logger = logging.getLogger("ds_clip")
@@ -199,6 +205,17 @@ def build_engine(
     # Per-tower groups, each with its own "lr"/"weight_decay"; the schedule scales each from its own peak.
     groups, group_table = param_groups_for(bundle.model, optim)
     muon_split = pin_muon_tags(bundle.model) if optim.optimizer == "muon" else None
+    if (
+        muon_split is not None
+    ):  # each group's Muon and AdamW halves at muon_lr and adam_lr (a group's lr wins)
+        opt_params = ds_json["optimizer"]["params"]
+        groups, group_table = muon_groups(
+            groups,
+            group_table,
+            lr=optim.lr,
+            muon_lr=opt_params.get("muon_lr"),
+            adam_lr=opt_params.get("adam_lr"),
+        )
     if rank == 0:
         _log_choices(ds, optim, group_table)
         if muon_split is not None:

@@ -191,15 +191,31 @@ def param_groups_for(model: nn.Module, o: OptimSettings) -> tuple[list[dict], li
     return build_param_groups(model, rest=TowerOptim(o.lr, o.wd), visual=visual, text=text)
 
 
-def is_muon_matrix(name: str, p: torch.Tensor) -> bool:
-    """Does --opt muon train this parameter with Muon? The 2-D hidden matrices inside either tower's blocks
-    (attention and MLP weights), as the Muon authors and DeepSpeed's Muon docs advise; the embeddings, the patch
-    stem, the projections into the shared space, logit_scale/logit_bias, norms and biases train with AdamW."""
+# The modules whose weights are hidden matrices (a conv filter as the matrix of its flattened kernel, which
+# DeepSpeed's Muon reshapes), and the raw fused q/k/v projections of attention modules (torch's
+# nn.MultiheadAttention, open_clip's own Attention).
+_MATRIX_MODULES = (nn.Linear, nn.modules.conv._ConvNd)
+_ATTENTION_MATRICES = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
+
+
+def is_muon_matrix(name: str, module: nn.Module, pname: str) -> bool:
+    """Does --opt muon train parameter ``pname`` of ``module`` (full name ``name``) with Muon? The hidden matrices
+    inside either tower's blocks, chosen by module type as the Muon authors and DeepSpeed's Muon docs advise: the
+    weight of a Linear or convolution, and an attention module's fused q/k/v projection. Everything else trains
+    with AdamW, whatever its shape: embeddings (an nn.Embedding inside a block too, such as T5's
+    relative_attention_bias), the patch stem, the projections into the shared space, logit_scale/logit_bias,
+    norms and biases."""
     tower = tower_of(name)
-    if p.ndim != 2 or tower == "rest":
+    if tower == "rest":
         return False
     rel = _tower_relative(name, tower)
-    return bool(_BLOCK.match(rel)) and not _EMBEDDING.search(rel)
+    if not _BLOCK.match(rel) or _EMBEDDING.search(rel):
+        return False
+    if isinstance(module, _MATRIX_MODULES):
+        return pname == "weight"
+    if isinstance(module, nn.Embedding):
+        return False
+    return pname in _ATTENTION_MATRICES and getattr(module, pname).ndim == 2
 
 
 class _PinnedMuonTag:
@@ -221,15 +237,45 @@ def pin_muon_tags(model: nn.Module) -> tuple[list[str], list[str]]:
     """Tag every trainable parameter for DeepSpeed's Muon (``is_muon_matrix``) so that the tag stands through
     ``deepspeed.initialize``; returns the names in Muon and the names in its auxiliary AdamW."""
     muon, adam = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        cls = type(p)
-        if cls not in _PINNED.values():
-            p.__class__ = _PINNED.setdefault(cls, type(cls.__name__, (cls,), {"use_muon": _PinnedMuonTag()}))
-        p.__dict__["_ds_clip_use_muon"] = is_muon_matrix(name, p)
-        (muon if p.use_muon else adam).append(name)
+    seen: set[int] = set()  # a tied parameter once, under its first name (as named_parameters() lists it)
+    for mod_name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            name = f"{mod_name}.{pname}" if mod_name else pname
+            cls = type(p)
+            if cls not in _PINNED.values():
+                p.__class__ = _PINNED.setdefault(
+                    cls, type(cls.__name__, (cls,), {"use_muon": _PinnedMuonTag()})
+                )
+            p.__dict__["_ds_clip_use_muon"] = is_muon_matrix(name, module, pname)
+            (muon if p.use_muon else adam).append(name)
     return muon, adam
+
+
+def muon_groups(
+    groups: list[dict], infos: list[GroupInfo], *, lr: float, muon_lr: float | None, adam_lr: float | None
+) -> tuple[list[dict], list[GroupInfo]]:
+    """--opt muon's parameter groups (after ``pin_muon_tags``): each of ds_clip's groups split into its Muon and
+    AdamW halves, each half at its rate. DeepSpeed lets a group's own "lr" win over the optimizer's
+    ``muon_lr``/``adam_lr``, so the halves carry them: a group's lr relative to --lr (its tower's LR and layer
+    decay) scales ``muon_lr`` in the Muon half and ``adam_lr`` in the AdamW half (either absent: --lr)."""
+    out_groups, out_infos = [], []
+    for group, info in zip(groups, infos):
+        scale = group["lr"] / lr if lr else 1.0
+        members = dict(zip(info.members, group["params"]))
+        for use_muon, rate, label in ((True, muon_lr, "muon"), (False, adam_lr, "adamw")):
+            names = [n for n, p in members.items() if bool(p.use_muon) is use_muon]
+            if not names:
+                continue
+            half_lr = group["lr"] if rate is None else rate * scale
+            params = [members[n] for n in names]
+            out_groups.append({**group, "params": params, "lr": half_lr})
+            out_infos.append(
+                GroupInfo(f"{info.label} {label}", sum(p.numel() for p in params), half_lr, info.wd, names)
+            )
+    return out_groups, out_infos
 
 
 def format_muon_split(muon: list[str], adam: list[str]) -> str:

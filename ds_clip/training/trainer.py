@@ -35,8 +35,8 @@ from ds_clip.config import (
 )
 from ds_clip.data import StepBatch, build_train_data
 from ds_clip.distributed import DistInfo, init_distributed
-from ds_clip.ds_config.presets import precision_mapping_text
-from ds_clip.ds_config.resolve import write_run_files
+from ds_clip.ds_config.presets import precision_mapping_text, preset_label
+from ds_clip.ds_config.resolve import derived_k_text, json_schedule_warning, write_run_files
 from ds_clip.errors import RunError
 from ds_clip.evaluate import Evaluator
 from ds_clip.export.model_card import COMMAND_FILE, launch_command
@@ -236,15 +236,16 @@ class Trainer:
             return
         if info.hosts is not None:
             logger.info("%s", info.hosts.describe())
-        derived = (
-            f" (k derived from --global-batch-size {self.s.optim.global_batch_size} on {info.world_size} ranks)"
-            if self.s.optim.global_batch_size is not None
-            else ""
-        )
+        derived = derived_k_text(self.s, info.world_size)
         logger.info(
             "%s%s; %s; run folder %s", self.geometry.describe(), derived, self.length.describe(), self.run_dir
         )
-        warning = warmup_warning(self.s.optim, self.total_steps)
+        cfg = self.run_step.built.ds_config  # its "auto" keys filled: the schedule DeepSpeed runs
+        warning = (
+            json_schedule_warning(cfg, preset_label(self.ds.preset), self.total_steps)
+            if "scheduler" in cfg
+            else warmup_warning(self.s.optim, self.total_steps)
+        )
         if warning:
             logger.warning("%s", warning)
         if self.ema is not None:
