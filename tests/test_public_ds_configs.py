@@ -73,6 +73,10 @@ ENGINE_KEYS: dict[str, dict] = {
         "bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
     },
 }
+START_WARNINGS = {
+    "dse_QANet_ds_bsz512_warmup.json": "scheduler WarmupLR in {path} warms up over warmup_num_steps=1000 steps, "
+    "not fewer than the run's 2 optimizer steps",
+}
 FP16_REFUSAL = (
     "the enabled fp16 section of {path} (DeepSpeed fp16): this machine's cpu accelerator has no fp16"
 )
@@ -92,18 +96,25 @@ def test_every_public_file_is_listed_with_its_source_and_in_the_docs_table():
         assert f"| {expected} |" in row, row
 
 
-def _main_on_each(argvs: list[list[str]]) -> list[tuple[int, list[str]]]:
-    """Every rank runs ds-clip-train's main on each command line in turn; rank 0's exit codes and error lines."""
+def _main_on_each(argvs: list[list[str]]) -> list[tuple[int, list[str], list[str]]]:
+    """Every rank runs ds-clip-train's main on each command line in turn; rank 0's exit codes, error lines and the
+    warnings ds_clip logged."""
+    import logging
+
     from ds_clip.train import main
 
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ds_clip").addHandler(handler)
     results = []
     for argv in argvs:
         err = io.StringIO()
+        warnings.clear()
         with contextlib.redirect_stderr(err):
             code = main(argv)
-        results.append(
-            (code, [ln for ln in err.getvalue().splitlines() if "error" in ln or "Traceback" in ln])
-        )
+        errors = [ln for ln in err.getvalue().splitlines() if "error" in ln or "Traceback" in ln]
+        results.append((code, errors, list(warnings)))
     return results
 
 
@@ -136,7 +147,7 @@ def test_each_public_file_trains_two_steps_on_two_ranks_or_is_refused_in_one_lin
     ]  # fmt: skip
     results = spawn_group(2, _main_on_each, argvs)
     fp16 = fp16_supported()
-    for name, (code, lines) in zip(names, results):
+    for name, (code, lines, warnings) in zip(names, results):
         path = str(FILES / name)
         outcome = OUTCOMES[name]
         if outcome is FP16:
@@ -148,6 +159,10 @@ def test_each_public_file_trains_two_steps_on_two_ranks_or_is_refused_in_one_lin
             ds = json.loads((run / "ds_config.json").read_text())
             assert ds["gradient_accumulation_steps"] == 1, name
             assert not re.search(r'"auto"', (run / "ds_config.json").read_text()), name
+            # A JSON schedule the run outlasts (or never finishes warming up) is warned of at start.
+            said = START_WARNINGS.get(name)
+            if said is not None:
+                assert [w for w in warnings if w.startswith(said.format(path=path))], (name, warnings)
             for section, keys in ENGINE_KEYS.get(name, {}).items():
                 assert {k: ds[section].get(k) for k in keys} == keys, (name, section, ds[section])
         else:

@@ -205,16 +205,11 @@ def build_engine(
     # Per-tower groups, each with its own "lr"/"weight_decay"; the schedule scales each from its own peak.
     groups, group_table = param_groups_for(bundle.model, optim)
     muon_split = pin_muon_tags(bundle.model) if optim.optimizer == "muon" else None
-    if (
-        muon_split is not None
-    ):  # each group's Muon and AdamW halves at muon_lr and adam_lr (a group's lr wins)
-        opt_params = ds_json["optimizer"]["params"]
+    if muon_split is not None:
+        # DeepSpeed lets a group's own lr win over muon_lr/adam_lr: each group's halves carry their rate.
+        rates = ds_json["optimizer"]["params"]
         groups, group_table = muon_groups(
-            groups,
-            group_table,
-            lr=optim.lr,
-            muon_lr=opt_params.get("muon_lr"),
-            adam_lr=opt_params.get("adam_lr"),
+            groups, group_table, lr=optim.lr, muon_lr=rates.get("muon_lr"), adam_lr=rates.get("adam_lr")
         )
     if rank == 0:
         _log_choices(ds, optim, group_table)
