@@ -141,14 +141,10 @@ def dry_run(s: TrainSettings) -> None:
         data_section(s.data, image_px=64), preprocess=_unused, tokenizer=_unused, rank=0, geometry=geometry
     )
     length = RunLength.of(s.optim, data.steps_per_epoch)
-    # The JSON as the start fills it: the run's length, and the model's hidden size for "auto" buckets.
+    # The JSON as the start fills it from the run's length (total_num_steps). The ZeRO buckets that come from the
+    # model's width stay "auto" here, the table naming what fills them: a dry run builds no model.
     cfg = ds.config
-    hidden = 0
-    if any(path.startswith("zero_optimization.") for path, _ in ds.start_keys):
-        from ds_clip.training.engine import build_model_bundle, hidden_size
-
-        hidden = hidden_size(build_model_bundle(s.model, seed=s.data.seed, load_published=False).model)
-    fill_start_keys(cfg, hidden_size=hidden, total_steps=length.total_steps)
+    fill_start_keys(cfg, hidden_size=0, total_steps=length.total_steps, buckets=False)
     print(f"# settings ({s.logging.logs}/{s.logging.name}/settings.json)")
     print(json.dumps(settings_to_dict(s), indent=2))
     print(f"# batch: {geometry.describe()}{derived_k_text(s, world_size)}")

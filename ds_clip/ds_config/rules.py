@@ -777,12 +777,12 @@ def start_auto_keys(cfg: dict[str, Any], label: str) -> dict[str, str]:
     return left
 
 
-def fill_start_keys(cfg: dict[str, Any], *, hidden_size: int, total_steps: int) -> None:
-    """Fill the keys ``start_auto_keys`` left: ZeRO buckets from the model's hidden size, a scheduler's
-    total_num_steps from the run's optimizer steps."""
+def fill_start_keys(cfg: dict[str, Any], *, hidden_size: int, total_steps: int, buckets: bool = True) -> None:
+    """Fill the keys ``start_auto_keys`` left: ZeRO buckets from the model's hidden size (``buckets``), a
+    scheduler's total_num_steps from the run's optimizer steps."""
     zero = cfg.get("zero_optimization") or {}
     for key, size in MODEL_SIZE_KEYS.items():
-        if is_auto(zero.get(key)):
+        if buckets and is_auto(zero.get(key)):
             zero[key] = size(hidden_size)
     scheduler = cfg.get("scheduler") or {}
     params = scheduler.get("params")
