@@ -630,15 +630,15 @@ def test_dry_run_shows_the_values_that_run_and_names_no_flag_left_out(tmp_path, 
     assert "# warning: scheduler WarmupDecayLR in " in capsys.readouterr().out
 
 
-def _trained_rates(model: str, runs: list[list[str]]) -> list[dict]:
-    """One rank: the trainer's engine for each command line (its one engine builder), then three optimizer steps;
-    the lr of each optimizer group DeepSpeed built, before the first step and after the last."""
+def _trained_rates(model: str, runs: list[tuple[list[str], int]]) -> list[dict]:
+    """One rank: the trainer's engine for each command line (its one engine builder), then that many optimizer
+    steps; the lr of each optimizer group DeepSpeed built, before the first step and after the last."""
     from ds_clip.step.cached import cached_step
     from ds_clip.training.engine import build_engine, build_model_bundle, resolve_run
     from ds_clip_harness.runs import RunSpec, step_micro_batches
 
     out = []
-    for argv in runs:
+    for argv, steps in runs:
         s = parse_settings(["--model", model, "--workers", "0", *argv])
         bundle = build_model_bundle(s.model, seed=s.data.seed)
         geometry, ds = resolve_run(s, 1)
@@ -656,8 +656,10 @@ def _trained_rates(model: str, runs: list[list[str]]) -> list[dict]:
             ]
 
         before = groups()
-        spec = RunSpec(model=model, micro_batch_size=geometry.micro_batch_size, accum_freq=1, steps=3)
-        for step in range(3):
+        spec = RunSpec(
+            model=model, micro_batch_size=geometry.micro_batch_size, accum_freq=1, steps=max(steps, 1)
+        )
+        for step in range(steps):
             batches, _ = step_micro_batches(spec, bundle.model_cfg, step, 0, 1)
             cached_step(engine, batches, built.loss_fn)
         out.append({"before": before, "after": groups()})
@@ -680,7 +682,7 @@ def test_the_engine_trains_at_the_files_peak_and_at_muons_two_rates(tmp_path):
     # ZeRO-0: the optimizer DeepSpeed built holds the model's own parameters, named here.
     muon = _json(tmp_path, {**MUON_RATES, "zero_optimization": {"stage": 0}}, "muon.json")
     lr = parse_settings([]).optim.lr
-    runs = [["--ds-config", peak], ["--ds-config", muon, "--warmup", "0", "--text-lr", str(lr / 2)]]
+    runs = [(["--ds-config", peak], 3), (["--ds-config", muon, "--warmup", "0", "--text-lr", str(lr / 2)], 0)]
     peak_run, muon_run = spawn_group(1, _trained_rates, model, runs)
     assert [r for _, r, _ in peak_run["after"]] == pytest.approx([3e-4] * len(peak_run["after"]), rel=1e-12)
     halves = muon_run["before"]
