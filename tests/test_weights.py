@@ -75,6 +75,29 @@ def test_agree_start_removes_partial_folders_and_says_where_the_weights_come_fro
     assert "step 2" in plan.describe(m)
 
 
+def test_latest_without_its_pointer_continues_from_the_newest_complete_step_never_fresh(tmp_path):
+    """A run folder copied without ``latest_complete`` (complete step folders beside it): --resume latest
+    continues from the newest complete step (a partial newer one is not it) and rank 0 writes the pointer
+    again, so saves and --keep-checkpoints pruning go on from that history; a fresh start there would train
+    over the saved run. A newest complete folder that does not check out is refused naming it."""
+    run = tmp_path / "run"
+    _saved(run, 2, point=False)
+    newest = _saved(run, 4, point=False)
+    _saved(run, 6, complete=False, point=False)
+    plan = weights.plan_start(run, "latest")
+    assert (plan.checkpoint, plan.step, plan.loads_published) == (newest, 4, False)
+    assert not (run / "checkpoints" / ck.POINTER).exists()  # plan_start reads only (--dry-run asks it too)
+    agreed = weights.agree_start(run, "latest", is_main=True)
+    assert (agreed.checkpoint, agreed.step) == (newest, 4)
+    assert (run / "checkpoints" / ck.POINTER).read_text() == newest.name
+    assert ck.resolve(run, "latest") == newest
+
+    (run / "checkpoints" / ck.POINTER).unlink()
+    (newest / "mp_rank_00_model_states.pt").unlink()  # complete-marked, but a file of its manifest is gone
+    with pytest.raises(ck.CheckpointError, match=f"no latest_complete pointer.*{newest.name}.*missing"):
+        weights.plan_start(run, "latest")
+
+
 def test_the_model_sources_in_words(tmp_path):
     """Each kind of published or local weights is named by its flag; a teacher's never come from a
     checkpoint."""

@@ -156,11 +156,14 @@ class Checkpointer:
                     str(exc).split(". Free space", 1)[0],
                 )
 
-    def resume(self, resume: str, *, shapes: dict[str, list[int]], is_main: bool) -> int:
+    def resume(
+        self, resume: str, *, shapes: dict[str, list[int]], is_main: bool, agreed: Path | None = None
+    ) -> int:
         """Load the checkpoint ``--resume`` names into the engine and the data position; returns the step to
         continue from. Whether there is one to load (``--resume latest`` before the run has a complete
         checkpoint starts from the model's own weights) is decided before the model is built
-        (``ds_clip.models.weights.agree_start``): this is called only when there is."""
+        (``ds_clip.models.weights.agree_start``): this is called only when there is, with ``agreed``, the
+        folder the ranks agreed on then (every rank loads that one, "latest" is not looked up again)."""
         state = load(
             self.engine,
             self.run_dir,
@@ -168,6 +171,7 @@ class Checkpointer:
             shapes=shapes,
             global_batch=self.geometry.global_batch,
             settings=self.settings,
+            agreed=agreed,
         )
         self.data.load_state_dict(state["data"])
         self.resumed_from = Path(state["path"])

@@ -26,11 +26,15 @@ from ds_clip.checkpoint.manifest import (
 from ds_clip.distributed import all_gather_object, broadcast_object
 
 
-def resolve(run_dir: Path | None, resume: str) -> Path:
+def resolve(run_dir: Path | None, resume: str, *, agreed: Path | None = None) -> Path:
     """The checkpoint folder named by ``--resume`` ('latest' of run_dir, a checkpoint folder, or a run folder),
-    checked complete: marker present, every file of the manifest there with its size."""
+    checked complete: marker present, every file of the manifest there with its size. ``agreed``: the folder
+    the ranks agreed on at start (``ds_clip.models.weights.agree_start``), checked without looking "latest" up
+    again: a pointer that moved since (or that this rank reads differently) cannot send one rank elsewhere."""
     flag = f"--resume {resume}"
-    if resume == "latest":
+    if agreed is not None:
+        path = agreed
+    elif resume == "latest":
         if run_dir is None:
             raise CheckpointError(f"{flag}: no run folder given")
         root = run_dir / "checkpoints"
@@ -60,6 +64,16 @@ def resolve(run_dir: Path | None, resume: str) -> Path:
                 f"{flag}: {path} is partial: {name} has {f.stat().st_size} bytes, the manifest says {size}"
             )
     return path
+
+
+def newest_complete(ckpt_root: Path) -> Path | None:
+    """The step folder with the highest step that has its COMPLETE marker (the pointer is not read)."""
+    if not ckpt_root.is_dir():
+        return None
+    found = [
+        p for p in ckpt_root.iterdir() if p.is_dir() and _step_of(p) is not None and (p / MARKER).exists()
+    ]
+    return max(found, key=_step_of, default=None)
 
 
 def is_intact(path: Path) -> bool:

@@ -147,8 +147,11 @@ def load(
     shapes: dict[str, list[int]] | None = None,
     global_batch: int | None = None,
     settings: dict[str, Any] | None = None,
+    agreed: Path | None = None,
 ) -> dict[str, Any]:
     """Every rank calls this; returns {'step', 'epoch', 'samples_seen', 'data', 'path', 'meta', 'resharded'}.
+    ``agreed``: the checkpoint folder the ranks agreed on at start (``resolve``), loaded without looking up
+    ``--resume`` again.
 
     ``shapes`` (param_shapes of the model before deepspeed.initialize) and ``global_batch`` are checked
     against the checkpoint first, for a clear error instead of DeepSpeed's size mismatch; ``settings`` (this
@@ -156,7 +159,7 @@ def load(
     """
     install_safe_loading(engine)
     flag = f"--resume {resume}"
-    path = resolve(run_dir, resume)
+    path = resolve(run_dir, resume, agreed=agreed)
     meta = read_meta(path)
     world, rank = _world(), _rank()
     if shapes is not None and global_batch is not None:

@@ -20,10 +20,12 @@ weights always come from ``--distill-pretrained`` or its ``local-dir:`` folder, 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ds_clip.checkpoint import POINTER, CheckpointError, read_meta, resolve
+from ds_clip.checkpoint.find import newest_complete
 from ds_clip.checkpoint.save import remove_partial
 from ds_clip.config import ModelSettings
 from ds_clip.distributed import broadcast_object
@@ -49,6 +51,8 @@ class StartPlan:
     """The complete checkpoint the run continues from; None: a fresh start from the model's own weights."""
     step: int | None = None
     """The optimizer step that checkpoint was saved at."""
+    repointed: bool = False
+    """``--resume latest`` found no ``latest_complete`` and took the newest complete step folder."""
 
     @property
     def loads_published(self) -> bool:
@@ -91,10 +95,26 @@ def teacher_weights(m: ModelSettings) -> str | None:
 
 def plan_start(run_dir: Path, resume: str | None) -> StartPlan:
     """The table of this module, read from the files of one process: ``--resume latest`` with no
-    ``latest_complete`` yet is a fresh start; any other --resume resolves to a complete checkpoint or raises
-    CheckpointError (a pointer to a partial folder, a path that is no checkpoint)."""
-    if resume is None or (resume == "latest" and not (run_dir / "checkpoints" / POINTER).exists()):
+    ``latest_complete`` and no complete step folder is a fresh start; any other --resume resolves to a complete
+    checkpoint or raises CheckpointError (a pointer to a partial folder, a path that is no checkpoint).
+
+    ``--resume latest`` without the pointer but with complete step folders (a run folder copied without it)
+    continues from the newest complete one (``StartPlan.repointed``): a fresh start there would train over the
+    saved run, and --keep-checkpoints would then prune the new run's checkpoints as older than the old ones."""
+    if resume is None:
         return StartPlan(resume)
+    if resume == "latest" and not (run_dir / "checkpoints" / POINTER).exists():
+        newest = newest_complete(run_dir / "checkpoints")
+        if newest is None:
+            return StartPlan(resume)
+        try:
+            path = resolve(None, str(newest))
+        except CheckpointError as exc:
+            raise CheckpointError(
+                f"--resume latest: {run_dir / 'checkpoints'} has no {POINTER} pointer and its newest complete "
+                f"step folder {newest.name} does not check out ({exc}); resume from another with --resume DIR"
+            ) from None
+        return StartPlan(resume, path, int(read_meta(path)["step"]), repointed=True)
     path = resolve(run_dir, resume)
     return StartPlan(resume, path, int(read_meta(path)["step"]))
 
@@ -111,12 +131,28 @@ def agree_start(run_dir: Path, resume: str | None, *, is_main: bool) -> StartPla
                 logger.warning("removed partial checkpoint %s (a save that was cut short)", p)
         try:
             plan = plan_start(run_dir, resume)
-        except CheckpointError as exc:
+            if plan.repointed:
+                _restore_pointer(plan)
+        except (CheckpointError, OSError) as exc:
             error = str(exc)
     plan, error = broadcast_object((plan, error))
     if error is not None:
         raise CheckpointError(error)
     return plan
+
+
+def _restore_pointer(plan: StartPlan) -> None:
+    """Rank 0: ``latest_complete`` written again (atomically) for the checkpoint ``plan`` found without it, so
+    this run's saves, pruning and remote copy continue from the same history."""
+    assert plan.checkpoint is not None
+    root = plan.checkpoint.parent
+    logger.warning(
+        "%s has no %s pointer: continuing from the newest complete checkpoint %s (pointer restored)",
+        root, POINTER, plan.checkpoint.name,
+    )  # fmt: skip
+    tmp = root / f".{POINTER}.tmp"
+    tmp.write_text(plan.checkpoint.name)
+    os.replace(tmp, root / POINTER)
 
 
 def _weights_in(folder: Path) -> Path | None:

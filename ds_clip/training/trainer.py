@@ -184,7 +184,9 @@ class Trainer:
         )  # fmt: skip
         self.evaluator = self._build_evaluator(_image_px(bundle))
         self.start_step = (
-            self.checkpointer.resume(start.resume, shapes=shapes, is_main=info.is_main)
+            self.checkpointer.resume(
+                start.resume, shapes=shapes, is_main=info.is_main, agreed=start.checkpoint
+            )
             if start.checkpoint is not None
             else 0
         )
