@@ -36,6 +36,14 @@ def main(argv: list[str] | None = None) -> int:
             settings = parse_settings(argv)
     except UserError as exc:
         return _refused(exc, quiet, 2)
+    except SystemExit as exc:
+        # argparse's own exit: a mistyped flag (its one-line error, printed by rank 0 alone) or --help. It must
+        # pass through the same grace as every other refusal: a quiet rank that exits at once lets the launcher
+        # end the job before rank 0 has written the line (exit 2 and nothing printed).
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+        if code and quiet:
+            time.sleep(QUIET_EXIT_GRACE_S)
+        return code
     if settings.dist.dry_run:
         try:
             dry_run(settings)
