@@ -633,9 +633,8 @@ def test_entry_point_prints_one_line_naming_the_flag_and_exits_2(capsys):
     assert main(["--accum-freq", "0"]) == 2
     err = capsys.readouterr().err
     assert err == "ds-clip-train: error: --accum-freq must be >= 1, got 0\n"
-    with pytest.raises(SystemExit) as e:
-        main(["--shuffle-buffer", "many"])
-    assert e.value.code == 2 and "--shuffle-buffer: invalid int value" in capsys.readouterr().err
+    assert main(["--shuffle-buffer", "many"]) == 2  # argparse's own refusal: returned like every other one
+    assert "--shuffle-buffer: invalid int value" in capsys.readouterr().err
 
 
 def test_hostfile_example_parses_with_deepspeed():
