@@ -394,7 +394,8 @@ class CheckpointSettings:
     remote_sync_final_timeout: int = opt(600, metavar="SECONDS", unit="seconds", open_clip="ds_clip only")
     """Seconds the end of a run waits for its last sync to --remote-sync. When they pass (a store that stopped
     answering), one line says which checkpoints are and are not complete on the remote, the local run folder
-    is kept as it is, and ds-clip-train exits 1 (docs/remote.md)."""
+    is kept as it is, and ds-clip-train exits 1 (docs/remote.md). The other ranks wait for it in a collective:
+    it must be at least 60 s below --dist-timeout (else exit 2 at start)."""
     remote_sync_protocol: str = opt(
         "s3",
         choices=("s3", "fsspec"),

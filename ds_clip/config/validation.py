@@ -45,8 +45,30 @@ def validate(s: TrainSettings) -> None:
     check_model_flags(s.model)
     check_distill(s)
     _check_resume(s.checkpoint, s.logging)
+    check_final_sync_fits(s.checkpoint, s.dist.dist_timeout)
     # The DeepSpeed preset: exists, parses, and agrees with the flags (world size unknown yet).
     check_preset(s.deepspeed_request())
+
+
+FINAL_SYNC_SPARE_S = 60
+"""Seconds --dist-timeout must leave beyond --remote-sync-final-timeout: rank 0 also closes its metric sinks
+before the collective the other ranks wait in."""
+
+
+def check_final_sync_fits(ck: CheckpointSettings, dist_timeout: float) -> None:
+    """--remote-sync: rank 0's bounded last sync must end within --dist-timeout. The other ranks wait for it in
+    the run's last collective; one that waits longer fails with "lost contact", and the launcher then kills rank
+    0 in the middle of its upload."""
+    if ck.remote_sync is None:
+        return
+    final = ck.remote_sync_final_timeout
+    need(
+        final + FINAL_SYNC_SPARE_S <= dist_timeout,
+        f"--remote-sync-final-timeout {final} s does not fit in --dist-timeout {dist_timeout:g} s: the other ranks "
+        f"wait in a collective while rank 0 makes its last sync; lower --remote-sync-final-timeout to at most "
+        f"{max(int(dist_timeout) - FINAL_SYNC_SPARE_S, 0)} or raise --dist-timeout to at least "
+        f"{final + FINAL_SYNC_SPARE_S}",
+    )
 
 
 def _check_json_batch(s: TrainSettings) -> None:
