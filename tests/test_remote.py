@@ -272,6 +272,50 @@ def s3(tmp_path_factory):
         _restart_fork_server()
 
 
+def test_a_resumed_run_that_rewrites_steps_makes_the_remote_copy_the_local_one(tmp_path, s3):
+    """S3 (moto on 127.0.0.1, s3fs): a run synced steps 2-8, then was resumed from step 2 (another schedule, as
+    --resume PATH allows) and saved steps 4 and 6 again. Each rewritten step goes up again, in the running
+    sync (which knew it complete) and in a new one (a restart, which reads the remote manifests): the remote
+    files, manifest and marker are the local ones, and the remote latest_complete names step 6 as the local one
+    does, not the abandoned step 8. A fresh node's --resume latest pulls the new step 6. (A step already
+    complete on the remote used to be skipped, and a pull took the highest step.)"""
+    run = tmp_path / "logs" / "r"
+    root = run / "checkpoints"
+    for step in (2, 4, 6, 8):
+        _fake_checkpoint(root, step, os.urandom(100_000))
+    remote = rm.open_remote("s3://ckpt/runs", "r")
+    sync = rm.RemoteSync(remote, run, every_s=3600, keep=None)
+    assert sync.sync_once()
+    fs = _s3fs(s3)
+
+    def rewrite(step: int) -> Path:  # the new history's save of a step saved before
+        shutil.rmtree(root / ck.tag_for(step))
+        return _fake_checkpoint(root, step, os.urandom(100_000))
+
+    def same_on_remote(folder: Path) -> bool:
+        there = f"ckpt/runs/r/checkpoints/{folder.name}"
+        names = ["mp_rank_00_model_states.pt", "rank0.json", ck.META, ck.MANIFEST, ck.MARKER]
+        return all(fs.cat(f"{there}/{n}") == (folder / n).read_bytes() for n in names)
+
+    new4 = rewrite(4)
+    assert sync.sync_once()
+    assert same_on_remote(new4)
+    assert fs.cat("ckpt/runs/r/checkpoints/latest_complete") == ck.tag_for(4).encode()
+    new6 = rewrite(6)
+    restarted = rm.RemoteSync(remote, run, every_s=3600, keep=None)
+    assert restarted.close() is None
+    assert same_on_remote(new4) and same_on_remote(new6)
+    assert fs.cat("ckpt/runs/r/checkpoints/latest_complete") == ck.tag_for(6).encode()
+    assert "step_00000006" in restarted.describe_remote().split("not on the remote")[0]
+
+    fresh = tmp_path / "fresh" / "r"
+    fresh.mkdir(parents=True)
+    pulled = rm.pull_latest(remote, fresh)
+    assert pulled == fresh / "checkpoints" / ck.tag_for(6) and ck.resolve(fresh, "latest") == pulled
+    name = "mp_rank_00_model_states.pt"
+    assert (pulled / name).read_bytes() == (new6 / name).read_bytes()
+
+
 def _restart_fork_server() -> None:
     """Stop this process's multiprocessing fork server, if one runs: the next loader whose workers start from it
     starts a new one with the environment as it is now. (A pytest-xdist worker runs threads, so in-process

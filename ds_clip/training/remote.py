@@ -12,12 +12,16 @@ end, so the training step never waits for the network. What reaches the remote:
   compared with the manifest on the way (a file that changed after its save is not uploaded), the manifest
   next, the ``COMPLETE`` marker last, then the remote ``latest_complete`` pointer: a sync cut short leaves a
   folder without the marker, which nothing pulls;
+- a step already complete on the remote whose local manifest differs (a run resumed from an older checkpoint
+  saved it again: another history) goes up again the same way, its remote folder removed first (marker first);
+- the remote ``latest_complete`` names what the local one does (the newest checkpoint of the local history on
+  the remote), never a higher step of a history the run left;
 - the other files of the run folder whenever their size or modification time changed;
 - with ``--keep-checkpoints N``, the remote keeps the newest N complete checkpoints too (marker deleted first).
 
 A failed sync is logged with its reason and tried again at the next period; training goes on. An unreachable
 or unwritable remote is refused at start (``check_writable``, exit 2). ``pull_latest`` (``--resume latest``)
-downloads the remote's newest complete checkpoint when it is newer than the local one, checks every file
+downloads the checkpoint the remote ``latest_complete`` names when it is newer than the local one, checks every file
 against the manifest's sizes and checksums in a hidden folder, and only then makes it a local complete
 checkpoint.
 """
@@ -151,6 +155,12 @@ class RemoteSync:
         """Run-folder files uploaded, with the (size, mtime_ns) they had then."""
         self._complete: set[str] | None = None
         """Checkpoint tags complete on the remote (listed once, then kept up to date)."""
+        self._manifests: dict[str, bytes | None] = {}
+        """The manifest each complete remote checkpoint holds (read once, then what was uploaded): a local
+        checkpoint of the same step with another manifest (a run resumed from an older step rewrote it) goes up
+        again."""
+        self._pointer: str | None = None
+        """The tag last written to the remote ``latest_complete`` by this process."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.failures = 0
@@ -193,15 +203,22 @@ class RemoteSync:
     def describe_remote(self) -> str:
         """Which local complete checkpoints are complete on the remote, which are not, and where the local copy
         is (rank 0's view after its syncs; nothing is listed again)."""
-        local = [p.name for p in _local_complete(self.run_dir / "checkpoints")]
+        local = _local_complete(self.run_dir / "checkpoints")
         there = set(self._complete or ())
-        up = [t for t in local if t in there]
-        missing = [t for t in local if t not in there]
+        up = [p.name for p in local if p.name in there and self._same_there(p)]
+        missing = [p.name for p in local if p.name not in up]
         return (
             f"complete on the remote: {', '.join(up) or 'no checkpoint'}; not on the remote: "
             f"{', '.join(missing) or 'no checkpoint'} (and possibly the newest logs); the local run folder "
             f"{self.run_dir} is complete and kept"
         )
+
+    def _same_there(self, folder: Path) -> bool:
+        """The remote copy of ``folder`` holds its manifest (as uploaded or read by this process)."""
+        try:
+            return self._manifests.get(folder.name) == (folder / MANIFEST).read_bytes()
+        except FileNotFoundError:
+            return False
 
     def sync_once(self) -> bool:
         """One pass; a failure is logged (never raised) and the next pass tries again. True if it all went up."""
@@ -240,35 +257,69 @@ class RemoteSync:
     def _sync_checkpoints(self) -> None:
         if self._complete is None:
             self._complete = set(remote_complete(self.remote))
-        local = _local_complete(self.run_dir / "checkpoints")
-        newest = None
-        for folder in local:
-            if folder.name in self._complete:
-                continue
+        ckpt_root = self.run_dir / "checkpoints"
+        synced = []  # local complete checkpoints whose remote copy is now the same (same manifest)
+        for folder in _local_complete(ckpt_root):
             try:
-                self._upload(folder)
+                manifest = (folder / MANIFEST).read_bytes()
+                if folder.name in self._complete and self._remote_manifest(folder.name) == manifest:
+                    synced.append(folder.name)
+                    continue
+                # Not there, or there from another history (a run resumed from an older step that saved this
+                # step again): the remote copy becomes the local one, its marker removed first, written last.
+                self._complete.discard(folder.name)  # until its marker is up again
+                self._upload(folder, manifest)
             except FileNotFoundError:
                 # Pruned locally (--keep-checkpoints) while it went up: drop the remote partial copy.
                 self._remove_remote(folder.name)
+                self._complete.discard(folder.name)
                 continue
             self._complete.add(folder.name)
-            newest = folder.name
+            self._manifests[folder.name] = manifest
+            synced.append(folder.name)
             logger.info("remote sync: %s is complete on %s", folder.name, self.remote.url)
-        if newest is not None:
-            tag = max(self._complete, key=_step_of)
-            with self.remote.fs.open(self.remote.path("checkpoints", POINTER), "wb") as f:
-                f.write(tag.encode())
+        self._point(ckpt_root, synced)
         if self.keep is not None:
             for tag in sorted(self._complete, key=_step_of)[: -self.keep]:
                 self._remove_remote(tag)
                 self._complete.discard(tag)
+                self._manifests.pop(tag, None)
 
-    def _upload(self, folder: Path) -> None:
-        """The manifest's files (each checked against its checksum on the way), the manifest, the marker last."""
-        manifest = json.loads((folder / MANIFEST).read_text())
+    def _remote_manifest(self, tag: str) -> bytes | None:
+        if tag not in self._manifests:
+            try:
+                with self.remote.fs.open(self.remote.path("checkpoints", tag, MANIFEST), "rb") as f:
+                    self._manifests[tag] = f.read()
+            except FileNotFoundError:
+                self._manifests[tag] = None
+        return self._manifests[tag]
+
+    def _point(self, ckpt_root: Path, synced: list[str]) -> None:
+        """The remote ``latest_complete``: the newest checkpoint of the local history (at or before the local
+        pointer) whose remote copy is the local one. Never a newer step of a history the run left: a fresh node
+        pulls what this node would resume from."""
+        pointer = ckpt_root / POINTER
+        try:
+            local = _step_of(pointer.read_text().strip())
+        except FileNotFoundError:
+            local = None
+        candidates = [t for t in synced if local is None or _step_of(t) <= local]
+        if not candidates:
+            return
+        tag = max(candidates, key=_step_of)
+        if tag != self._pointer:
+            with self.remote.fs.open(self.remote.path("checkpoints", POINTER), "wb") as f:
+                f.write(tag.encode())
+            self._pointer = tag
+
+    def _upload(self, folder: Path, manifest_bytes: bytes) -> None:
+        """The manifest's files (each checked against its checksum on the way), the manifest, the marker last.
+        A remote folder of the same tag is removed first (marker first): its files may be another history's."""
+        manifest = json.loads(manifest_bytes)
         fs, rdir = self.remote.fs, self.remote.path("checkpoints", folder.name)
-        if fs.exists(f"{rdir}/{MARKER}"):
-            fs.rm(f"{rdir}/{MARKER}")
+        if fs.exists(rdir):
+            self._remove_remote(folder.name)
+        self._manifests.pop(folder.name, None)
         for name, entry in manifest_files(manifest).items():
             with (folder / name).open("rb") as src, fs.open(f"{rdir}/{name}", "wb") as dst:
                 digest = _copy_hashed(src, dst)
@@ -277,9 +328,10 @@ class RemoteSync:
                     f"{folder / name} no longer matches the checksum saved in its manifest (changed on disk "
                     f"after the save): {folder.name} is not uploaded"
                 )
-        for name in (MANIFEST, MARKER):  # the marker last: a remote folder without it is never pulled
-            with (folder / name).open("rb") as src, fs.open(f"{rdir}/{name}", "wb") as dst:
-                _copy_hashed(src, dst)
+        with fs.open(f"{rdir}/{MANIFEST}", "wb") as dst:
+            dst.write(manifest_bytes)
+        with (folder / MARKER).open("rb") as src, fs.open(f"{rdir}/{MARKER}", "wb") as dst:
+            _copy_hashed(src, dst)  # the marker last: a remote folder without it is never pulled
 
     def _remove_remote(self, tag: str) -> None:
         fs, rdir = self.remote.fs, self.remote.path("checkpoints", tag)
@@ -295,8 +347,8 @@ class RemoteSync:
 
 
 def pull_latest(remote: Remote, run_dir: Path, flag: str = "--resume latest") -> Path | None:
-    """Rank 0: when the remote's newest complete checkpoint is newer than the local one, download it into a
-    hidden folder, check every file against the manifest (sizes and checksums), then make it the local
+    """Rank 0: when the checkpoint the remote ``latest_complete`` names (else its newest complete one) is newer
+    than the local one (``latest_complete``, else the newest complete), download it into a hidden folder, check every file against the manifest (sizes and checksums), then make it the local
     ``latest_complete``. Also fetches the run folder's other files that are not here (metrics, TensorBoard).
     Returns the pulled folder, or None when the local checkpoint is as new. Raises RemoteError."""
     ckpt_root = run_dir / "checkpoints"
@@ -304,10 +356,10 @@ def pull_latest(remote: Remote, run_dir: Path, flag: str = "--resume latest") ->
         tags = remote_complete(remote)
     except Exception as exc:  # noqa: BLE001
         raise RemoteError(f"{flag}: cannot list {remote.url}/checkpoints ({_first_line(exc)})") from None
-    local = _local_complete(ckpt_root)
-    if not tags or (local and _step_of(local[-1].name) >= _step_of(tags[-1])):
+    tag = _remote_latest(remote, tags)
+    local = _local_latest(ckpt_root)
+    if tag is None or (local is not None and _step_of(local) >= _step_of(tag)):
         return None
-    tag = tags[-1]
     _pull_run_files(remote, run_dir)
     tmp, final = ckpt_root / f".pull-{tag}", ckpt_root / tag
     shutil.rmtree(tmp, ignore_errors=True)
@@ -335,7 +387,7 @@ def pull_latest(remote: Remote, run_dir: Path, flag: str = "--resume latest") ->
     bad = first_mismatch(tmp)
     if bad is not None:
         shutil.rmtree(tmp, ignore_errors=True)
-        older = tags[:-1]
+        older = [t for t in tags if _step_of(t) < _step_of(tag)]
         raise RemoteError(
             f"{flag}: {remote.url}/checkpoints/{tag}/{bad[0]} does not match its checksum in {MANIFEST} "
             f"({bad[1]}): the remote copy is damaged; "
@@ -354,6 +406,31 @@ def pull_latest(remote: Remote, run_dir: Path, flag: str = "--resume latest") ->
     pointer_tmp.write_text(tag)
     os.replace(pointer_tmp, ckpt_root / POINTER)
     return final
+
+
+def _remote_latest(remote: Remote, tags: list[str]) -> str | None:
+    """The remote ``latest_complete`` when it names a complete remote checkpoint, else the newest complete one.
+    The pointer, not the highest step: after a resume from an older step, higher steps of the abandoned
+    history may still be complete there."""
+    try:
+        with remote.fs.open(remote.path("checkpoints", POINTER), "rb") as f:
+            named = f.read().decode().strip()
+    except FileNotFoundError:
+        named = None
+    if named in tags:
+        return named
+    return tags[-1] if tags else None
+
+
+def _local_latest(ckpt_root: Path) -> str | None:
+    """What ``--resume latest`` continues from here: ``latest_complete``, else the newest complete step."""
+    pointer = ckpt_root / POINTER
+    if pointer.exists():
+        named = pointer.read_text().strip()
+        if (ckpt_root / named / MARKER).exists():
+            return named
+    local = _local_complete(ckpt_root)
+    return local[-1].name if local else None
 
 
 def _pull_run_files(remote: Remote, run_dir: Path) -> None:
