@@ -590,6 +590,52 @@ def test_resume_refuses_optimizer_flags_the_load_would_undo(runs):
             check_resume_settings(saved, {**saved, name: 0.5}, "--resume x")
 
 
+def _relaunch_a_finished_run(model: str, logs: Path) -> dict:
+    """One rank: a 2-step run with --val-data whose final evaluation never finished (its results removed, as a
+    time limit after the final save leaves it), relaunched twice with --resume latest, the first time with the
+    run folder's latest_complete gone too (copied without it)."""
+    args = [
+        "--model", model, "--batch-size", "2", "--max-steps", "2", "--logs", str(logs), "--name", "fin",
+        "--workers", "0", "--train-num-samples", "64", "--val-data", "synthetic", "--val-num-samples", "8",
+    ]  # fmt: skip
+    _train(args)
+    run = logs / "fin"
+    for name in ("eval_results.json", "val_metrics.csv"):
+        (run / name).unlink()
+    (run / "checkpoints" / ck.POINTER).unlink()
+    launch_files = ("settings.json", "ds_config.json", "command.txt")
+    before = {n: (run / n).read_bytes() for n in launch_files}
+    weights = (run / "checkpoints" / ck.tag_for(2) / "mp_rank_00_model_states.pt").read_bytes()
+    _train([*args, "--resume", "latest"])
+    first = json.loads((run / "eval_results.json").read_text())
+    _train([*args, "--resume", "latest"])
+    return {
+        "first": first,
+        "second": json.loads((run / "eval_results.json").read_text()),
+        "launch_files_kept": before == {n: (run / n).read_bytes() for n in launch_files},
+        "steps": sorted(p.name for p in (run / "checkpoints").iterdir()),
+        "weights_kept": weights
+        == (run / "checkpoints" / ck.tag_for(2) / "mp_rank_00_model_states.pt").read_bytes(),
+    }
+
+
+@pytest.mark.distributed
+def test_a_relaunched_finished_run_evaluates_what_it_had_not_and_records_no_launch(tmp_path):
+    """A re-queued run whose final evaluation did not finish (after its final save) runs that evaluation: its
+    metrics appear once, and a further relaunch evaluates nothing again. Nothing is trained or saved, and
+    settings.json, ds_config.json and command.txt stay as the run that trained wrote them (the model card lists
+    no launch that trained nothing). The first relaunch finds no latest_complete: it continues from the newest
+    complete step (the finished run), never a fresh start that would train over it."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "open_clip_config.json").write_text(json.dumps({"model_cfg": MODEL, "preprocess_cfg": {}}))
+    out = spawn_group(1, _relaunch_a_finished_run, f"local-dir:{model_dir}", tmp_path / "logs")
+    assert [row["step"] for row in out["first"]] == [2] and "val_loss" in out["first"][0]
+    assert out["second"] == out["first"]
+    assert out["launch_files_kept"] and out["weights_kept"]
+    assert out["steps"] == sorted([ck.tag_for(2), ck.POINTER])
+
+
 def test_prune_keeps_the_newest_complete_and_deletes_older_only(tmp_path):
     root = tmp_path / "checkpoints"
     for step, complete in ((1, True), (2, False), (3, True), (4, True), (5, False)):

@@ -4,6 +4,7 @@ costs the evaluation, not the run."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from ds_clip import distributed
 from ds_clip.checkpoint import epochs_done_at, on_cadence
-from ds_clip.evaluate.reporting import report
+from ds_clip.evaluate.reporting import RESULTS_FILE, report
 from ds_clip.evaluate.runner import engine_forward, run_on_engine
 from ds_clip.evaluate.settings import EVAL_BATCH_SIZE, EvalFailed, EvalSettings
 from ds_clip.evaluate.zeroshot import ClassFolderTask, classify_folders
@@ -75,6 +76,20 @@ class Evaluator:
                 report(self.run_dir, step, metrics, tb_writer)
             except OSError as exc:  # rank 0 alone, after every collective: the run goes on
                 logger.warning("step %d: evaluation results not written (%s); training continues", step, exc)
+
+    def has_results(self, step: int) -> bool:
+        """Every rank: the final evaluation of ``step`` is recorded in eval_results.json, or there is nothing
+        to evaluate. Rank 0 reads the file; every rank takes its answer (``run`` is a collective)."""
+        if self.settings is None and not self.zeroshot_tasks:
+            return True
+        found = None
+        if self.is_main:
+            try:
+                rows = json.loads((self.run_dir / RESULTS_FILE).read_text())
+                found = any(row.get("step") == step for row in rows)
+            except (OSError, ValueError):  # never written, or cut short while written
+                found = False
+        return bool(distributed.broadcast_object(found))
 
     def _metrics(self, step: int, *, val: bool, zeroshot: bool) -> dict[str, float]:
         metrics: dict[str, float] = {}

@@ -13,6 +13,10 @@ from ds_clip.evaluate.metrics import FOLDER_METRIC, IMAGENET_METRICS, RECALL_KS
 logger = logging.getLogger("ds_clip")
 
 
+RESULTS_FILE = "eval_results.json"
+"""Every evaluation of the run, a row per step (what a relaunch reads to know the final one finished)."""
+
+
 def format_line(step: int, m: dict[str, float]) -> str:
     parts = [f"val step {step}", f"samples {int(m.get('val_samples', 0))}"]
     if "val_loss" in m:
@@ -60,7 +64,7 @@ def report(run_dir: Path, step: int, metrics: dict[str, float], tb_writer=None) 
             w.writerows(rows)
     with csv_path.open("a", newline="") as f:
         csv.DictWriter(f, fieldnames=fields).writerow(row)
-    json_path = run_dir / "eval_results.json"
+    json_path = run_dir / RESULTS_FILE
     history = json.loads(json_path.read_text()) if json_path.exists() else []
     history = [h for h in history if h.get("step") != step] + [row]
     tmp = json_path.with_name(".eval_results.json.tmp")

@@ -174,7 +174,10 @@ class Trainer:
             image_normalize=self.data.image_normalize,
         )  # fmt: skip
         self.engine, self.ema = self.run_step.engine, self.run_step.ema
-        if info.is_main and ds.start_keys:  # the "auto" keys filled from the model and the run's length
+        resuming = bool(s.checkpoint.resume)
+        if (
+            info.is_main and ds.start_keys and not resuming
+        ):  # the "auto" keys filled from the model, the length
             write_run_files(run_dir, settings_to_dict(s), ds, self.run_step.built.ds_config)
 
         self.checkpointer = Checkpointer(
@@ -190,6 +193,8 @@ class Trainer:
             if start.checkpoint is not None
             else 0
         )
+        if info.is_main and resuming and self.start_step < self.total_steps:
+            self._record_launch(self.run_step.built.ds_config if ds.start_keys else None)
         resumed = self.checkpointer.resumed_from
         if self.ema is None and resumed is not None and ema.rank_files(resumed) and info.is_main:
             logger.warning("%s holds a weight EMA; this run has no --ema-decay and does not keep it", resumed)
@@ -217,13 +222,20 @@ class Trainer:
             raise checkpoint.RunFolderError(refusal)
         if info.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            write_run_files(run_dir, settings_to_dict(self.s), self.ds)
-            # Each launch's command line, for the model card of an export (a resume adds its own line).
-            with (run_dir / COMMAND_FILE).open("a") as f:
-                f.write(launch_command(sys.argv[1:]) + "\n")
+            if not self.s.checkpoint.resume:  # a resume records its launch once it knows it trains
+                self._record_launch(None)
         # Every node sees the folder rank 0 made, or the run stops here (a node-local --logs on several nodes).
         check_shared_run_folder(run_dir, Path(lg.logs), local_rank=info.local_rank)
         return run_dir
+
+    def _record_launch(self, engine_config: dict[str, Any] | None) -> None:
+        """Rank 0: settings.json and ds_config.json (``engine_config``: the engine's, its start "auto" keys
+        filled), and this launch's command line in command.txt for the model card of an export. A resume writes
+        them only when it trains: a re-queued finished run leaves them as the run that trained wrote them."""
+        run_dir = Path(self.s.logging.logs) / self.s.logging.name
+        write_run_files(run_dir, settings_to_dict(self.s), self.ds, engine_config)
+        with (run_dir / COMMAND_FILE).open("a") as f:
+            f.write(launch_command(sys.argv[1:]) + "\n")
 
     def _log_precision(self) -> None:
         if self.info.is_main:
@@ -393,13 +405,21 @@ class Trainer:
 
     def _already_finished(self, step: int) -> TrainSummary:
         """A finished run launched again (a re-queued job's --resume latest): nothing to train, nothing saved;
-        its checkpoints and metrics stay as they are."""
+        its checkpoints stay as they are. A final evaluation that did not finish (the time limit hit it, after
+        the final save) runs now: its metrics are the run's last word."""
+        evaluate_now = not self.evaluator.has_results(step)  # every rank: rank 0 reads, all agree
         if self.info.is_main:
             logger.info(
-                "the run already finished at step %d (%d steps in total); nothing trained, nothing saved: %s",
-                step, self.total_steps, self.checkpointer.resumed_from,
+                "the run already finished at step %d (%d steps in total); nothing trained, nothing saved%s: %s",
+                step, self.total_steps,
+                "; its final evaluation did not finish: evaluating now" if evaluate_now else "",
+                self.checkpointer.resumed_from,
             )  # fmt: skip
-        self._close_remote()
+        try:
+            if evaluate_now:
+                self.evaluator.run(step)
+        finally:
+            self._close_remote()
         return self._summary(step)
 
     def _stop(self, step: int, stop: StopRequest) -> TrainSummary:
