@@ -175,9 +175,8 @@ class Trainer:
         )  # fmt: skip
         self.engine, self.ema = self.run_step.engine, self.run_step.ema
         resuming = bool(s.checkpoint.resume)
-        if (
-            info.is_main and ds.start_keys and not resuming
-        ):  # the "auto" keys filled from the model, the length
+        # The "auto" keys filled from the model and the run's length (a resume writes them once it knows it trains).
+        if info.is_main and ds.start_keys and not resuming:
             write_run_files(run_dir, settings_to_dict(s), ds, self.run_step.built.ds_config)
 
         self.checkpointer = Checkpointer(
