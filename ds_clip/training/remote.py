@@ -21,9 +21,9 @@ end, so the training step never waits for the network. What reaches the remote:
 
 A failed sync is logged with its reason and tried again at the next period; training goes on. An unreachable
 or unwritable remote is refused at start (``check_writable``, exit 2). ``pull_latest`` (``--resume latest``)
-downloads the checkpoint the remote ``latest_complete`` names when it is newer than the local one, checks every file
-against the manifest's sizes and checksums in a hidden folder, and only then makes it a local complete
-checkpoint.
+downloads the checkpoint the remote ``latest_complete`` names when it is newer than the local one, checks
+every file against the manifest's sizes and checksums in a hidden folder, and only then makes it a local
+complete checkpoint.
 """
 
 from __future__ import annotations
