@@ -348,8 +348,8 @@ class RemoteSync:
 
 def pull_latest(remote: Remote, run_dir: Path, flag: str = "--resume latest") -> Path | None:
     """Rank 0: when the checkpoint the remote ``latest_complete`` names (else its newest complete one) is newer
-    than the local one (``latest_complete``, else the newest complete), download it into a hidden folder, check every file against the manifest (sizes and checksums), then make it the local
-    ``latest_complete``. Also fetches the run folder's other files that are not here (metrics, TensorBoard).
+    than the local one (``latest_complete``, else the newest complete), download it into a hidden folder,
+    check every file against the manifest (sizes and checksums), then make it the local ``latest_complete``. Also fetches the run folder's other files that are not here (metrics, TensorBoard).
     Returns the pulled folder, or None when the local checkpoint is as new. Raises RemoteError."""
     ckpt_root = run_dir / "checkpoints"
     try:
