@@ -219,17 +219,21 @@ def test_unwritable_remote_is_one_line_exit_2(tmp_path, model_dir):
 def test_a_final_sync_that_could_outlast_dist_timeout_is_refused_naming_both_flags(tmp_path, capsys):
     """The other ranks wait for rank 0's last sync in a collective: a --remote-sync-final-timeout that does not
     end (with a minute to spare) within --dist-timeout is one line at start naming both flags, exit 2 (it used
-    to let them fail with "lost contact" and the launcher kill rank 0 mid-upload); one that fits is accepted."""
+    to let them fail with "lost contact" and the launcher kill rank 0 mid-upload); one that fits is accepted.
+    Its default (600 s), which the user did not choose, is fitted to a shorter --dist-timeout instead."""
     from ds_clip.config import parse_settings
     from ds_clip.train import main
 
     sync = ["--remote-sync", f"file://{tmp_path}/r", "--remote-sync-protocol", "fsspec", "--name", "n"]
-    assert main([*sync, "--dist-timeout", "300", "--logs", str(tmp_path / "logs")]) == 2
+    passed = [*sync, "--remote-sync-final-timeout", "600", "--dist-timeout", "300"]
+    assert main([*passed, "--logs", str(tmp_path / "logs")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(ERROR), err
     assert "--remote-sync-final-timeout 600 s" in err and "--dist-timeout 300 s" in err, err
     assert "at most 240" in err and "at least 660" in err, err
     parse_settings([*sync, "--dist-timeout", "300", "--remote-sync-final-timeout", "240"])
+    assert parse_settings([*sync, "--dist-timeout", "300"]).checkpoint.remote_sync_final_timeout == 240
+    assert parse_settings(sync).checkpoint.remote_sync_final_timeout == 600
     parse_settings(["--dist-timeout", "300"])  # no remote: nothing to fit
 
 

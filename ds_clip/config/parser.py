@@ -24,7 +24,7 @@ from ds_clip.config.fields import LOCAL_DIR_PREFIX
 from ds_clip.config.flags import Flag, base_type, flag_named, flags
 from ds_clip.config.recipes import load_recipe
 from ds_clip.config.sections import TrainSettings
-from ds_clip.config.validation import validate
+from ds_clip.config.validation import FINAL_SYNC_SPARE_S, validate
 from ds_clip.ds_config.presets import deepspeed_precision
 from ds_clip.errors import SettingsError
 from ds_clip.versions import versions_line
@@ -175,6 +175,16 @@ def parse_settings(argv: list[str] | None = None) -> TrainSettings:
     values["precision"] = deepspeed_precision(values["precision"])  # open_clip's names -> DeepSpeed's
     if values["delete_previous_checkpoint"] and values["keep_checkpoints"] is None:
         values["keep_checkpoints"] = 1  # open_clip's flag for --keep-checkpoints 1
+    if (
+        values["remote_sync"] is not None
+        and "remote_sync_final_timeout" not in sources
+        and values["remote_sync_final_timeout"] + FINAL_SYNC_SPARE_S
+        > values["dist_timeout"]
+        > FINAL_SYNC_SPARE_S
+    ):
+        # The default last sync must end within the --dist-timeout the user chose (check_final_sync_fits): a
+        # default nobody passed is fitted to it, not refused; a value the user passed is theirs to change.
+        values["remote_sync_final_timeout"] = int(values["dist_timeout"]) - FINAL_SYNC_SPARE_S
     s = TrainSettings.of(**values)
     s.sources = sources
     if s.logging.name is None:
