@@ -649,6 +649,19 @@ def test_prune_keeps_the_newest_complete_and_deletes_older_only(tmp_path):
     assert prune(root, keep=2) == []  # nothing older than the two newest complete ones
 
 
+def test_prune_after_a_resume_from_an_older_step_keeps_the_runs_new_checkpoints(tmp_path):
+    """Resumed from step 2 of a history that went on to steps 6 and 8, the run saves its own step 4: the
+    abandoned steps neither count among the kept ones nor go (by step number alone, 6 and 8 were kept and
+    the run's only new checkpoint, step 4, was deleted under --keep-checkpoints 2)."""
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6, 8):
+        (root / ck.tag_for(step)).mkdir(parents=True)
+        (root / ck.tag_for(step) / ck.MARKER).write_text(str(step))
+    assert prune(root, keep=2, newest=4) == []
+    assert prune(root, keep=1, newest=4) == [root / ck.tag_for(2)]
+    assert sorted(p.name for p in root.iterdir()) == [ck.tag_for(s) for s in (4, 6, 8)]
+
+
 def test_rng_state_round_trips_through_json():
     import random
 

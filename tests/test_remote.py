@@ -319,6 +319,13 @@ def test_a_resumed_run_that_rewrites_steps_makes_the_remote_copy_the_local_one(t
     name = "mp_rank_00_model_states.pt"
     assert (pulled / name).read_bytes() == (new6 / name).read_bytes()
 
+    # --keep-checkpoints 1 keeps the run's own newest step on the remote (by step number alone, the abandoned
+    # step 8 was kept and step 6, which latest_complete names, removed).
+    assert rm.RemoteSync(remote, run, every_s=3600, keep=1).sync_once()
+    there = "ckpt/runs/r/checkpoints"
+    assert fs.exists(f"{there}/{ck.tag_for(6)}/{ck.MARKER}") and same_on_remote(new6)
+    assert not fs.exists(f"{there}/{ck.tag_for(4)}") and not fs.exists(f"{there}/{ck.tag_for(2)}")
+
 
 def _restart_fork_server() -> None:
     """Stop this process's multiprocessing fork server, if one runs: the next loader whose workers start from it

@@ -215,7 +215,7 @@ def save(
             + (f"the last complete checkpoint {last} is kept" if last else "no earlier complete checkpoint")
         )
     if _rank() == 0 and keep is not None:
-        prune(ckpt_root, keep)
+        prune(ckpt_root, keep, newest=step)
     _barrier()
     return path
 
@@ -356,12 +356,22 @@ def check_shared_run_folder(run_dir: Path, logs: Path, *, local_rank: int) -> No
         )
 
 
-def prune(ckpt_root: Path, keep: int) -> list[Path]:
+def prune(ckpt_root: Path, keep: int, newest: int | None = None) -> list[Path]:
     """Delete checkpoints older than the newest ``keep`` complete ones (complete or partial); return them.
 
     Only called after a newer checkpoint is complete, so at least one complete checkpoint always stays.
+    ``newest``: the step just saved. Folders of later steps belong to a history the run left (it resumed from
+    an older step) and neither count among the kept ones nor are deleted: by step number alone, the abandoned
+    steps would be kept and the run's own new checkpoints deleted.
     """
-    folders = sorted((p for p in ckpt_root.iterdir() if p.is_dir() and _step_of(p) is not None), key=_step_of)
+    folders = sorted(
+        (
+            p
+            for p in ckpt_root.iterdir()
+            if p.is_dir() and _step_of(p) is not None and (newest is None or _step_of(p) <= newest)
+        ),
+        key=_step_of,
+    )
     complete = [p for p in folders if (p / MARKER).exists()]
     if len(complete) <= keep:
         return []

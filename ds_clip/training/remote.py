@@ -278,9 +278,12 @@ class RemoteSync:
             self._manifests[folder.name] = manifest
             synced.append(folder.name)
             logger.info("remote sync: %s is complete on %s", folder.name, self.remote.url)
-        self._point(ckpt_root, synced)
+        newest = self._point(ckpt_root, synced)
         if self.keep is not None:
-            for tag in sorted(self._complete, key=_step_of)[: -self.keep]:
+            # As the local prune: steps after the local pointer's are a history the run left, neither kept nor
+            # removed by count (by step number alone, the run's own new checkpoints would go first).
+            ours = [t for t in self._complete if newest is None or _step_of(t) <= newest]
+            for tag in sorted(ours, key=_step_of)[: -self.keep]:
                 self._remove_remote(tag)
                 self._complete.discard(tag)
                 self._manifests.pop(tag, None)
@@ -294,10 +297,10 @@ class RemoteSync:
                 self._manifests[tag] = None
         return self._manifests[tag]
 
-    def _point(self, ckpt_root: Path, synced: list[str]) -> None:
+    def _point(self, ckpt_root: Path, synced: list[str]) -> int | None:
         """The remote ``latest_complete``: the newest checkpoint of the local history (at or before the local
         pointer) whose remote copy is the local one. Never a newer step of a history the run left: a fresh node
-        pulls what this node would resume from."""
+        pulls what this node would resume from. Returns the local pointer's step (None without one)."""
         pointer = ckpt_root / POINTER
         try:
             local = _step_of(pointer.read_text().strip())
@@ -305,12 +308,13 @@ class RemoteSync:
             local = None
         candidates = [t for t in synced if local is None or _step_of(t) <= local]
         if not candidates:
-            return
+            return local
         tag = max(candidates, key=_step_of)
         if tag != self._pointer:
             with self.remote.fs.open(self.remote.path("checkpoints", POINTER), "wb") as f:
                 f.write(tag.encode())
             self._pointer = tag
+        return local
 
     def _upload(self, folder: Path, manifest_bytes: bytes) -> None:
         """The manifest's files (each checked against its checksum on the way), the manifest, the marker last.
