@@ -648,7 +648,7 @@ def test_wandb_offline_open_clip_names_project_notes_and_resume_into_the_same_ru
     train/scale, train/lr, train/samples_per_second, ...) and the val ones too (val/clip_val_loss,
     val/image_to_text_R@1); a --resume latest run logs into the same run id, from the next step on."""
     wb = ("--report-to", "wandb", "--wandb-project-name", "proj", "--wandb-notes", "some notes",
-          "--val-data", "synthetic", "--val-num-samples", "16", "--save-every-n-steps", "2")  # fmt: skip
+          "--val-data", "synthetic", "--val-num-samples", "16", "--save-every-n-steps", "2", "--lr", "1e-3")  # fmt: skip
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     args = [a for a in _args(model_dir, tmp_path, "wb", steps=2) if a not in ("--report-to", "csv")]
     p = _single([*args, *wb], **env)
@@ -663,6 +663,8 @@ def test_wandb_offline_open_clip_names_project_notes_and_resume_into_the_same_ru
     for name in ("train/loss", "train/scale", "train/lr", "train/samples_per_second",
                  "train/samples_per_second_per_gpu", "train/data_time", "train/batch_time"):  # fmt: skip
         assert name in train, sorted(train)
+    # train/lr is the LR each step trained at (--warmup 1, cosine over the run's steps), not the next step's.
+    assert [float(h["train/lr"]) for h in history if "train/lr" in h] == pytest.approx([1e-3, 1e-3])
     assert any("val/clip_val_loss" in h and "val/image_to_text_R@1" in h for h in history), history
     run2, history2 = _wandb_run(second)
     assert run2.run_id == "wb" and run2.project == "proj"

@@ -139,26 +139,47 @@ def test_bad_schedule_flags_exit_2_naming_the_flag(argv, flag, capsys):
 
 M, SAMPLES, EPOCHS, STOP_AT = 2, 16, 2, 3  # N = 2 ranks x 2 = 4 pairs a step: 4 steps an epoch, 8 in all
 RESUME_SCHEDULES = {
-    "cosine": ["--lr-scheduler", "cosine", "--warmup", "2"],
+    "cosine": ["--lr-scheduler", "cosine", "--warmup", "4"],
     "const-cooldown": ["--lr-scheduler", "const-cooldown", "--epochs-cooldown", "1", "--warmup", "2",
                        "--lr-cooldown-power", "2", "--lr-cooldown-end", "1e-4"],
 }  # fmt: skip
+# A DeepSpeed JSON scheduler block (one LR for every group: no per-tower LRs with it), 8 steps: warmup, then decay.
+JSON_SCHEDULERS = {
+    "WarmupDecayLR": {
+        "total_num_steps": 8, "warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3, "warmup_num_steps": 4,
+        "warmup_type": "linear",
+    },
+}  # fmt: skip
 
 
-def _args(model: str, logs: Path, name: str, schedule: list[str]) -> list[str]:
+def _args(model: str, logs: Path, name: str, schedule: list[str], *, towers: bool = True) -> list[str]:
     # Several groups with their own peaks (--visual-lr, --text-ld): the logged LR is group 0's (--lr).
+    own = ["--visual-lr", "2e-3", "--text-ld", "0.5"] if towers else []
     return [
         "--model", model, "--batch-size", str(M), "--epochs", str(EPOCHS), "--train-num-samples", str(SAMPLES),
-        "--lr", "1e-3", "--visual-lr", "2e-3", "--text-ld", "0.5", "--workers", "0", "--logs", str(logs),
-        "--name", name, "--log-every-n-steps", "1", "--report-to", "csv", "--save-every-n-steps", str(STOP_AT),
-        "--zero-stage", "1", *schedule,
+        "--lr", "1e-3", *own, "--workers", "0", "--logs", str(logs), "--name", name, "--log-every-n-steps", "1",
+        "--report-to", "csv,tensorboard", "--save-every-n-steps", str(STOP_AT), "--zero-stage", "1", *schedule,
     ]  # fmt: skip
 
 
-def _train(argv: list[str]) -> None:
-    from ds_clip.training.trainer import train
+def _train(argv: list[str]) -> list[float]:
+    """One run of the real trainer; returns the LR of group 0 that each optimizer update ran with, read from the
+    optimizer's param groups as the update starts (what trained, whatever any log says)."""
+    from ds_clip.training.trainer import Trainer
 
-    train(parse_settings(argv))
+    trainer = Trainer(parse_settings(argv))
+    applied: list[float] = []
+    optimizer = trainer.engine.basic_optimizer
+    first = optimizer.param_groups[0]
+
+    def read(opt, args, kwargs) -> None:
+        # ZeRO-1/2 step the torch optimizer once per group, each time with that group alone in param_groups.
+        if opt.param_groups[0] is first:
+            applied.append(float(first["lr"]))
+
+    optimizer.register_step_pre_hook(read)
+    trainer.train()
+    return applied
 
 
 def _interrupted_copy(logs: Path, straight: str, name: str) -> None:
@@ -173,15 +194,25 @@ def _interrupted_copy(logs: Path, straight: str, name: str) -> None:
     (dst / "metrics.csv").write_text("".join(lines[: 1 + STOP_AT]))
 
 
-def _group_resume(model: str, logs: Path) -> None:
+def _group_resume(model: str, logs: Path) -> dict[str, list[float]]:
     import torch.distributed as dist
 
+    applied = {}
     for kind, schedule in RESUME_SCHEDULES.items():
-        _train(_args(model, logs, f"straight-{kind}", schedule))
+        applied[f"straight-{kind}"] = _train(_args(model, logs, f"straight-{kind}", schedule))
         if dist.get_rank() == 0:
             _interrupted_copy(logs, f"straight-{kind}", f"resumed-{kind}")
         dist.barrier()
-        _train([*_args(model, logs, f"resumed-{kind}", schedule), "--resume", "latest"])
+        applied[f"resumed-{kind}"] = _train(
+            [*_args(model, logs, f"resumed-{kind}", schedule), "--resume", "latest"]
+        )
+    for kind, params in JSON_SCHEDULERS.items():
+        cfg = logs / f"{kind}.json"
+        if dist.get_rank() == 0:
+            cfg.write_text(json.dumps({"scheduler": {"type": kind, "params": params}}))
+        dist.barrier()
+        applied[kind] = _train(_args(model, logs, kind, ["--ds-config", str(cfg)], towers=False))
+    return applied
 
 
 def _rows(run: Path) -> list[dict]:
@@ -189,8 +220,16 @@ def _rows(run: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def _tensorboard_lrs(run: Path) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars("train/lr")}
+
+
 @pytest.fixture(scope="module")
-def resumed_runs(tmp_path_factory) -> Path:
+def resumed_runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("schedule_resume")
     model_dir = root / "model"
     model_dir.mkdir()
@@ -198,8 +237,8 @@ def resumed_runs(tmp_path_factory) -> Path:
         json.dumps({"model_cfg": E2E_MODEL, "preprocess_cfg": {}})
     )
     logs = root / "logs"
-    spawn_group(2, _group_resume, f"local-dir:{model_dir}", logs)
-    return logs
+    applied = spawn_group(2, _group_resume, f"local-dir:{model_dir}", logs)
+    return {"logs": logs, "applied": applied}
 
 
 @pytest.mark.distributed
@@ -207,10 +246,11 @@ def resumed_runs(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("kind", list(RESUME_SCHEDULES))
 def test_resume_continues_the_schedule_exactly(resumed_runs, kind):
     """2 ranks, ZeRO-1, 8 optimizer steps (2 epochs of 4): the run resumed (--resume latest) from its
-    checkpoint of step 3 logs at every step the LR of the straight run, which is open_clip's schedule
-    (the LR row of step s is the one the next step trains at: the scheduler has stepped s times), and the
-    same losses."""
-    straight, resumed = _rows(resumed_runs / f"straight-{kind}"), _rows(resumed_runs / f"resumed-{kind}")
+    checkpoint of step 3 logs at every step the LR of the straight run, which is open_clip's schedule: the row
+    of step s holds the LR step s trained at (open_clip's schedule at step s - 1, 0-based), as the optimizer's
+    param groups held it when the update ran; and the same losses. TensorBoard's train/lr is the same value."""
+    logs, applied = resumed_runs["logs"], resumed_runs["applied"]
+    straight, resumed = _rows(logs / f"straight-{kind}"), _rows(logs / f"resumed-{kind}")
     total = EPOCHS * SAMPLES // (2 * M)
     assert [int(r["step"]) for r in straight] == list(range(1, total + 1))
     assert [int(r["step"]) for r in resumed] == list(range(1, total + 1))
@@ -220,5 +260,33 @@ def test_resume_continues_the_schedule_exactly(resumed_runs, kind):
     )
     steps_per_epoch = SAMPLES // (2 * M)
     cooldown = steps_per_epoch if kind == "const-cooldown" else 0
-    expected = _open_clip_lrs(kind, 2, total, cooldown, 2.0, 1e-4, last=total)
-    assert [float(r["lr"]) for r in straight] == pytest.approx(expected[1:], rel=1e-9, abs=1e-15)
+    warmup = 4 if kind == "cosine" else 2
+    expected = _open_clip_lrs(kind, warmup, total, cooldown, 2.0, 1e-4)
+    assert [float(r["lr"]) for r in straight] == pytest.approx(expected, rel=1e-9, abs=1e-15)
+    assert applied[f"straight-{kind}"] == pytest.approx(expected, rel=1e-12, abs=1e-18)
+    assert applied[f"resumed-{kind}"] == pytest.approx(expected[STOP_AT:], rel=1e-12, abs=1e-18)
+    if kind == "cosine":  # --warmup 4 --lr 1e-3, 8 steps: what open_clip_train's own log prints
+        assert [float(r["lr"]) for r in straight] == pytest.approx(
+            [2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 8.535534e-4, 5e-4, 1.464466e-4], rel=1e-6
+        )
+    tb = _tensorboard_lrs(logs / f"straight-{kind}")
+    assert sorted(tb) == list(range(1, total + 1))
+    assert [tb[s] for s in sorted(tb)] == pytest.approx(expected, rel=1e-6)  # stored as float32
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(JSON_SCHEDULERS))
+def test_a_json_scheduler_logs_the_lr_each_step_trained_at(resumed_runs, kind):
+    """A DeepSpeed JSON scheduler block (DeepSpeed builds it and steps it in engine.step()): the LR in the row of
+    step s, in metrics.csv and TensorBoard alike, is the one the optimizer's param groups held when update s ran,
+    not the one the scheduler set for the next step."""
+    logs, applied = resumed_runs["logs"], resumed_runs["applied"][kind]
+    rows = _rows(logs / kind)
+    assert [int(r["step"]) for r in rows] == list(range(1, 9))
+    assert len(applied) == 8
+    assert [float(r["lr"]) for r in rows] == pytest.approx(applied, rel=1e-9, abs=1e-15)
+    tb = _tensorboard_lrs(logs / kind)
+    assert [tb[s] for s in range(1, 9)] == pytest.approx(applied, rel=1e-6, abs=1e-12)
+    assert len(set(applied)) > 2, applied  # a schedule that moves: a row one step off would differ
+

@@ -66,6 +66,10 @@ class StepResult:
     schedule did not move."""
     overflow: bool = False
     """The skip was DeepSpeed's (fp16 loss-scale overflow), not ds_clip's non-finite guard."""
+    lr: float | None = None
+    """The learning rate of the first parameter group in the optimizer when this step's update ran: the LR that
+    trained it. Read before ``engine.step()``, which steps the LR scheduler and leaves the next step's LR in the
+    optimizer. None when the update was skipped before the optimizer (a non-finite loss or gradient)."""
 
 
 def micro_batch_seed(seed: int, step: int, global_micro_batch: int) -> int:
@@ -500,6 +504,9 @@ def cached_step(
         nan = torch.tensor(float("nan"))
         scale = scale_out.detach().float().reshape(())
         return StepResult(nan, scale, local_samples=sum(sizes), micro_batches=plan.k, skipped=True)
+    # The LR this update trains with: engine.step() moves the scheduler on, and the optimizer then holds the next
+    # step's LR. A Python float in the param groups (no host sync).
+    lr = float(engine.get_lr()[0])
     with record_function("ds_clip.step.optimizer"):
         engine.step()
     if plan.coalesce:
@@ -515,4 +522,5 @@ def cached_step(
         micro_batches=plan.k,
         skipped=not applied,
         overflow=not applied,
+        lr=lr,
     )

@@ -206,7 +206,7 @@ class StepMeter:
     def __init__(self, *, every_n_steps: int, total_steps: int, geometry: BatchGeometry) -> None:
         self.every_n_steps, self.total_steps = every_n_steps, total_steps
         self.global_batch, self.world_size = geometry.global_batch, geometry.world_size
-        self.loss = self.logit_scale = None
+        self.loss = self.logit_scale = self.lr = None
         self._reset()
 
     def _reset(self) -> None:
@@ -219,14 +219,15 @@ class StepMeter:
         if not result.skipped:
             self.samples += self.global_batch
             self.loss, self.logit_scale = result.loss, result.logit_scale
+            # The LR the step trained at (not the optimizer's LR after it: that is already the next step's).
+            self.lr = result.lr
 
     def should_log(self, step: int) -> bool:
         return step % self.every_n_steps == 0 or step == self.total_steps
 
-    def row(
-        self, *, step: int, epoch: int, lr: float, skipped_samples: int, skipped_steps: int
-    ) -> dict[str, Any]:
-        """The log row of the window ending at ``step``; starts the next window."""
+    def row(self, *, step: int, epoch: int, skipped_samples: int, skipped_steps: int) -> dict[str, Any]:
+        """The log row of the window ending at ``step``; starts the next window. Its ``lr`` is the one step
+        ``step`` trained at, the one value the console line, TensorBoard, CSV and W&B all show."""
         elapsed = time.perf_counter() - self.start
         steps = max(1, round(self.samples / self.global_batch))
         row = {
@@ -236,7 +237,7 @@ class StepMeter:
             "samples_seen": step * self.global_batch,
             "loss": self.final_loss(),  # host sync: log steps only
             "logit_scale": float("nan") if self.logit_scale is None else float(self.logit_scale),
-            "lr": lr,
+            "lr": float("nan") if self.lr is None else self.lr,
             "samples_per_s": self.samples / elapsed,
             "samples_per_s_per_rank": self.samples / elapsed / self.world_size,
             "data_time_s": self.data_time / steps,

@@ -313,9 +313,8 @@ class Trainer:
 
     def _log(self, step: int, epoch: int, writer: MetricsWriter | None) -> None:
         row = self.meter.row(
-            step=step, epoch=epoch, lr=self.engine.get_lr()[0], skipped_samples=self._skipped_samples(),
-            skipped_steps=self.skips.total,
-        )  # fmt: skip
+            step=step, epoch=epoch, skipped_samples=self._skipped_samples(), skipped_steps=self.skips.total
+        )
         if writer is not None:
             writer.log(row)
 
