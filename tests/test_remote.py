@@ -669,3 +669,5 @@ def test_wandb_offline_open_clip_names_project_notes_and_resume_into_the_same_ru
     run2, history2 = _wandb_run(second)
     assert run2.run_id == "wb" and run2.project == "proj"
     assert [h["step"] for h in history2 if "train/loss" in h] == ["3"]
+    # Resumed into a 3-step run: step 3 trains at the cosine's value at step 2 of 3 (half the peak).
+    assert [float(h["train/lr"]) for h in history2 if "train/lr" in h] == pytest.approx([5e-4])

@@ -14,7 +14,7 @@ import torch
 
 from ds_clip import checkpoint as ck
 from ds_clip.config import parse_settings
-from ds_clip.training.schedule import SCHEDULES, Schedule, build_scheduler, schedule_for
+from ds_clip.training.schedule import SCHEDULES, Schedule, build_scheduler, cosine_with_warmup, schedule_for
 from ds_clip_harness.groups import spawn_group
 from ds_clip_harness.models import E2E_MODEL
 
@@ -290,3 +290,26 @@ def test_a_json_scheduler_logs_the_lr_each_step_trained_at(resumed_runs, kind):
     assert [tb[s] for s in range(1, 9)] == pytest.approx(applied, rel=1e-6, abs=1e-12)
     assert len(set(applied)) > 2, applied  # a schedule that moves: a row one step off would differ
 
+
+def test_a_resume_trains_its_first_step_at_the_rebuilt_schedule():
+    """A checkpoint holds the LR its own schedule set for the next step; resumed with a longer run (the schedule
+    rebuilt from the new flags, as open_clip does), the first resumed step trains at the new schedule's LR."""
+    from ds_clip.training.schedule import realign_after_resume
+
+    def built(total: int):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=BASE_LR)
+        return opt, build_scheduler(opt, Schedule("cosine", warmup=1, total=total))
+
+    opt, sched = built(2)
+    for _ in range(2):
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == 0.0  # the 2-step cosine's end: what the checkpoint holds
+    saved_opt, saved_sched = opt.state_dict(), sched.state_dict()
+    opt, sched = built(3)
+    opt.load_state_dict(saved_opt)
+    sched.load_state_dict(saved_sched)
+    assert realign_after_resume(sched)
+    want = BASE_LR * cosine_with_warmup(2, warmup=1, total=3)
+    assert opt.param_groups[0]["lr"] == pytest.approx(want) == pytest.approx(BASE_LR / 2)
+    assert sched.get_last_lr() == pytest.approx([want])
