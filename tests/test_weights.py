@@ -132,3 +132,29 @@ def test_resolve_pretrained_takes_an_exported_folders_weights(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(weights.WeightsError, match="--pretrained"):
         weights.resolve_pretrained(str(tmp_path / "empty"))
+
+
+def test_a_resumed_start_builds_the_model_without_open_clips_random_init_warning(tmp_path, caplog, capfd):
+    """Continuing from a checkpoint (load_published False), ds_clip has just said "continuing from ... (step N)":
+    open_clip's "No pretrained weights loaded ... Model initialized randomly" (and its local-dir twin) would say
+    the opposite, so they are left out. A fresh start without weights still shows them (true there), and the
+    filter is gone after the build."""
+    import logging
+
+    from ds_clip.training.engine import build_model_bundle
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "open_clip_config.json").write_text(
+        json.dumps({"model_cfg": E2E_MODEL, "preprocess_cfg": {}})
+    )
+    settings = ModelSettings(model=f"local-dir:{model_dir}")
+    with caplog.at_level(logging.WARNING):
+        build_model_bundle(settings, seed=0, load_published=False)
+    said = caplog.text + capfd.readouterr().err
+    assert "initialized randomly" not in said and "no CLIP weights" not in said, said
+    assert not logging.getLogger().filters
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        build_model_bundle(settings, seed=0, load_published=True)
+    assert "initialized randomly" in caplog.text + capfd.readouterr().err

@@ -14,6 +14,7 @@ adds what DeepSpeed 0.19.x needs to hold an open_clip model correctly:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -172,8 +173,11 @@ def build_model(
     kwargs = _create_kwargs(name, pretrained, image, cache_dir, pretrained_image, load_weights)
     import pickle
 
+    # Resumed (load_weights False): the checkpoint's weights replace these right after, and ds_clip has said so
+    # ("continuing from ... (step N)"); open_clip's "initialized randomly" would say the opposite.
+    quiet = contextlib.nullcontext() if load_weights else without_random_init_warnings()
     try:
-        with hub.offline():  # everything is in the cache now: no rank calls the network
+        with hub.offline(), quiet:  # everything is in the cache now: no rank calls the network
             model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(name, **kwargs)
     except pickle.UnpicklingError as exc:
         raise _unsafe_weights(pretrained) from exc
@@ -185,6 +189,29 @@ def build_model(
     tokenizer = _tokenizer(name, context_length, cache_dir)
     model_cfg = _built_cfg(load_model_cfg(name, cache_dir), image)
     return ModelBundle(model, tokenizer, preprocess_train, preprocess_val, name, model_cfg)
+
+
+# open_clip's warnings that a model was built without weights (root logger): true of a fresh run from scratch,
+# false of a model whose weights a checkpoint is about to replace.
+_RANDOM_INIT_WARNINGS = (
+    "No pretrained weights loaded for model",
+    "Local config loaded, but no CLIP weights found",
+)
+
+
+def _no_random_init_warning(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(_RANDOM_INIT_WARNINGS)
+
+
+@contextlib.contextmanager
+def without_random_init_warnings():
+    """open_clip's "initialized randomly" warnings left out while the block runs (and only then)."""
+    root = logging.getLogger()
+    root.addFilter(_no_random_init_warning)
+    try:
+        yield
+    finally:
+        root.removeFilter(_no_random_init_warning)
 
 
 def _ensure_cached(
