@@ -47,11 +47,13 @@ def loader_workers(workers: int) -> dict:
     if workers <= 0:
         return {"num_workers": 0, "worker_init_fn": ignore_in_worker}
     start = None
-    if threading.active_count() > 1:
+    # One look at the threads decides and names them: a thread that ends between two looks (a finished loader's
+    # queue feeder) would otherwise choose the fork server and then be missing from the line that names them.
+    others = sorted(t.name for t in threading.enumerate() if t is not threading.current_thread())
+    if others:
         start = _forkserver()
         if not _said:
             _said.append(True)
-            others = sorted(t.name for t in threading.enumerate() if t is not threading.current_thread())
             logging.getLogger("ds_clip").info(
                 "loader workers start from a fork server: other threads run in this rank (%s)",
                 ", ".join(others),

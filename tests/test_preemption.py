@@ -124,3 +124,40 @@ def test_launcher_watch_notices_the_launcher_exit(tmp_path):
         [sys.executable, "-c", _CHILD], input="\n", capture_output=True, text=True, env=env, timeout=60
     )
     assert plain.stdout.split() == ["0", "alive"], plain.stderr
+
+
+def test_the_fork_server_line_names_the_threads_that_chose_it(monkeypatch, caplog):
+    """Loader workers start from a fork server only when another thread runs, and the line that says so names
+    them. A thread that ends while the choice is made (a finished loader's queue feeder does) must not give
+    "other threads run in this rank ()": here it ends as the threads are listed (a profile hook on
+    threading.enumerate ends it at that call), so the one look finds no other thread (plain fork, no line) or
+    finds some, and then names them."""
+    import logging
+    import threading
+
+    from ds_clip import stop_signals
+
+    monkeypatch.setattr(stop_signals, "_said", [])  # the line is said once per process: say it here
+    release = threading.Event()
+    ending = threading.Thread(target=release.wait, name="ending-thread")
+    ending.start()
+
+    def end_it_on_enumerate(frame, event, arg) -> None:
+        if event == "call" and frame.f_code is threading.enumerate.__code__ and ending.is_alive():
+            release.set()
+            ending.join()
+
+    others_before = {t.name for t in threading.enumerate()} - {
+        "ending-thread",
+        threading.current_thread().name,
+    }
+    sys.setprofile(end_it_on_enumerate)
+    try:
+        with caplog.at_level(logging.INFO, logger="ds_clip"):
+            kwargs = stop_signals.loader_workers(2)
+    finally:
+        sys.setprofile(None)
+        release.set()
+    lines = [r.getMessage() for r in caplog.records if "fork server" in r.getMessage()]
+    assert "()" not in " ".join(lines) and "ending-thread" not in " ".join(lines), lines
+    assert (kwargs["multiprocessing_context"] is not None) == bool(lines) == bool(others_before), lines
