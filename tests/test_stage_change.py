@@ -186,8 +186,9 @@ def test_fp32_a_resume_under_another_stage_ends_where_the_straight_run_of_that_s
 ):
     """fp32: after the move, 2 more steps on 2 ranks: the weights at step 4 equal the straight 2-rank run of
     ZeRO-`resumed` (same N) within 1e-5; its own checkpoints are of its own stage and world size, and the
-    converted copy is gone. (bf16 rounds differently on each stage and rank count, straight runs included:
-    their weights differ by a bf16 rounding step, ~4e-3 here, so bf16 is held to the exact load above.)"""
+    converted copy is gone, with no `latest_universal` left naming it. (bf16 rounds differently on each stage and
+    rank count, straight runs included: their weights differ by a bf16 rounding step, ~4e-3 here, so bf16 is held
+    to the exact load above.)"""
     logs = runs["logs"]
     name = f"res_fp32_z{saved}_to_z{resumed}"
     meta = ck.read_meta(logs / name / "checkpoints" / ck.tag_for(STEPS))
@@ -195,6 +196,8 @@ def test_fp32_a_resume_under_another_stage_ends_where_the_straight_run_of_that_s
     diff = _max_abs_diff(_final(logs, name), _final(logs, f"two_fp32_z{resumed}"))
     assert diff <= TOL, diff
     assert not list((logs / name / "checkpoints").glob(f"{UNIVERSAL_PREFIX}*"))
+    # Nor the pointer DeepSpeed's ds_to_universal writes to it (it would name the deleted folder).
+    assert not (logs / name / "checkpoints" / "latest_universal").exists()
 
 
 def _four(model: str, logs: Path) -> None:

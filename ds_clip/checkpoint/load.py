@@ -3,6 +3,7 @@ load itself, on the same or another world size or ZeRO stage."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -234,6 +235,7 @@ def _universal_dir(path: Path, meta: dict[str, Any], run_dir: Path | None, flag:
                         inject_missing_state=True,
                     )
                 )
+                _drop_universal_pointer(out)
                 if not (out / "mp_rank_00_model_states.pt").exists():
                     _complete_zero3_universal(path, out)
             else:
@@ -361,6 +363,21 @@ def _load_other_shape(engine, path: Path, meta: dict[str, Any], stage: int, flag
         _barrier()
         if _rank() == 0:
             shutil.rmtree(universal, ignore_errors=True)
+            _drop_universal_pointer(universal)
+
+
+UNIVERSAL_POINTER = "latest_universal"
+"""The file DeepSpeed's ``ds_to_universal`` writes beside the folder it converts into, naming that folder."""
+
+
+def _drop_universal_pointer(out: Path) -> None:
+    """Remove ``latest_universal`` from beside ``out`` when it names ``out``. ds_clip loads the converted copy by
+    its path and deletes it once loaded, so the pointer would name a deleted folder; one naming another folder
+    (a conversion of the user's own) is left alone."""
+    pointer = out.parent / UNIVERSAL_POINTER
+    with contextlib.suppress(OSError):
+        if pointer.read_text().strip() == out.name:
+            pointer.unlink()
 
 
 def _load_common(engine, path: Path, *, buffers_only: bool = False) -> None:
