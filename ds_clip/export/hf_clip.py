@@ -331,10 +331,70 @@ def build_transformers(
 
 def save_transformers(out: Path, built) -> None:
     """Write what ``build_transformers`` built into ``out``: config.json, model.safetensors, the tokenizer files
-    (tokenizer.json, vocab.json, merges.txt, ...) and preprocessor_config.json."""
+    and the image processor's, in the files both transformers 4.x and 5.x read.
+
+    transformers 5.x saves a processor as processor_config.json (the image processor nested in it) and a
+    tokenizer as tokenizer.json and tokenizer_config.json alone; 4.x reads the image processor from
+    preprocessor_config.json only (AutoProcessor, CLIPProcessor and the zero-shot pipeline refuse a folder
+    without it) and keeps the slow tokenizer's files beside tokenizer.json. Whichever version exports, the
+    folder gets both: preprocessor_config.json, special_tokens_map.json and, for CLIP, vocab.json and merges.txt
+    (open_clip's BPE files, the ones tokenizer.json was built from)."""
     model, processor = built
+    out = Path(out)
     model.save_pretrained(str(out))
     processor.save_pretrained(str(out))
+    if not (out / PREPROCESSOR_FILE).is_file():
+        (out / PREPROCESSOR_FILE).write_text(processor.image_processor.to_json_string())
+    nested = out / PROCESSOR_FILE
+    if nested.is_file():
+        # 4.x passes every key of processor_config.json to the processor's constructor: a nested image processor
+        # is refused there ("Received a dict for argument image_processor"); 5.x reads it from
+        # preprocessor_config.json when processor_config.json does not hold it.
+        held = json.loads(nested.read_text())
+        kept = {k: v for k, v in held.items() if not isinstance(v, dict)}
+        if kept != held:
+            nested.write_text(json.dumps(kept, indent=2) + "\n")
+    tokenizer = processor.tokenizer
+    _old_style_merges(out / "tokenizer.json")
+    config_file = out / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        # 5.x's name for a tokenizer held by tokenizer.json alone (the SigLIP export's); 4.x knows it as
+        # PreTrainedTokenizerFast, a name 5.x still loads as the same class.
+        config_file.write_text(
+            json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n"
+        )
+    if isinstance(model.config, _clip_config_class()) and not (out / "merges.txt").is_file():
+        _clip_tokenizer_files(out)
+    if not (out / SPECIAL_TOKENS_FILE).is_file():
+        special = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+        named = {k: str(getattr(tokenizer, k)) for k in special if getattr(tokenizer, k, None) is not None}
+        (out / SPECIAL_TOKENS_FILE).write_text(json.dumps(named, indent=2, ensure_ascii=False) + "\n")
+
+
+def _old_style_merges(path: Path) -> None:
+    """tokenizers 0.20+ writes a BPE model's merges as pairs (["a", "b"]), which the tokenizers of transformers
+    4.40-4.44 (0.19) cannot parse ("data did not match any variant of untagged enum ModelWrapper"); every release
+    reads them as "a b" strings, the form written here when no token holds a space (CLIP's never do)."""
+    if not path.is_file():
+        return
+    data = json.loads(path.read_text())
+    merges = (data.get("model") or {}).get("merges")
+    if not merges or not isinstance(merges[0], list) or any(" " in a or " " in b for a, b in merges):
+        return
+    data["model"]["merges"] = [f"{a} {b}" for a, b in merges]
+    path.write_text(json.dumps(data, ensure_ascii=False, indent=2))
+
+
+# The image processor's and the special tokens' files of transformers 4.x (5.x reads them too).
+PREPROCESSOR_FILE, SPECIAL_TOKENS_FILE = "preprocessor_config.json", "special_tokens_map.json"
+PROCESSOR_FILE = "processor_config.json"  # 5.x's processor file
+
+
+def _clip_config_class():
+    from transformers import CLIPConfig
+
+    return CLIPConfig
 
 
 __all__ = [
