@@ -6,18 +6,30 @@ line, one per line), ``eval_results.json`` (validation and zero-shot results by 
 (training loss by step). What the run did not record is left out of the card, never guessed. The licence is
 the one field the card cannot know: the owner fills it in before sharing (the hub reads ``license:`` from the
 front matter).
+
+The card is written to be published, so the training data and command lines it quotes are redacted (``redact``):
+header values (``curl -H 'Authorization: Bearer ...'``, ``--header``), a URL's user-info (``https://user:pw@``),
+signed query strings (``X-Amz-Signature``, ``X-Goog-Signature``, SAS ``sig``, ``token``, ...), ``-u user:pw`` and
+secret-named variables (``AWS_SECRET_ACCESS_KEY=...``). ``command.txt`` itself stays whole in the run folder.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import re
 import shlex
 from pathlib import Path
 from typing import Any
 
 COMMAND_FILE = "command.txt"
+REDACTED = "REDACTED"
 LICENSE_TODO = "FILL IN before sharing"
+EMA_PREFIX = "ema/"  # eval_results.json: the weight EMA's metrics (ds_clip.evaluate.evaluator's views)
+_REDACTED_NOTE = (
+    "Secrets in the training data and command lines above (header values, URL user-info, signed query strings, "
+    f"passwords, secret-named variables) are shown as {REDACTED}; the run folder's command.txt keeps them whole."
+)
 
 
 def hub_upload_command(out: Path) -> str:
@@ -31,10 +43,72 @@ def run_folder(checkpoint: Path) -> Path | None:
     return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
 
 
-def launch_command(argv: list[str]) -> str:
-    """``ds-clip-train ARGS`` of one rank's command line, without the --local_rank a launcher appends."""
+# The shell comment after each launch's line in command.txt: the W and k (and m) that launch trained with, which
+# its own arguments do not say (the launcher picks W; --global-batch-size can derive k).
+_GEOMETRY = re.compile(r"\s+# W = (\d+) ranks? x k = (\d+)(?: x m = (\d+))?\s*$")
+
+
+def launch_command(argv: list[str], geometry: Any = None) -> str:
+    """``ds-clip-train ARGS`` of one rank's command line, without the --local_rank a launcher appends; with
+    ``geometry`` (a BatchGeometry), followed by a shell comment naming the launch's W, k and m."""
     args = [a for a in argv if not a.startswith(("--local_rank", "--local-rank"))]
-    return shlex.join(["ds-clip-train", *args])
+    line = shlex.join(["ds-clip-train", *args])
+    if geometry is not None:
+        line += (
+            f"  # W = {geometry.world_size} {_ranks(geometry.world_size)} x k = {geometry.accum_freq} "
+            f"x m = {geometry.micro_batch_size}"
+        )
+    return line
+
+
+def _ranks(n: Any) -> str:
+    return "rank" if n == 1 else "ranks"
+
+
+# What ``redact`` hides: values that grant access, wherever a command or a data source can carry them.
+_SECRET_PARAM = (
+    r"[^=&\s'\"]*(?:signature|sig|token|credential|secret|password|passwd|key|auth|policy)[^=&\s'\"]*"
+)
+_REDACTIONS = (
+    # curl/wget headers: -H 'Authorization: Bearer x', --header "X-Api-Key: x", --header=Name:x (the name stays)
+    (
+        re.compile(r"""(?i)((?:^|\s)(?:-H|--header)(?:\s+|=)(['"]?)[A-Za-z0-9_-]+:\s*)((?:(?!\2).)+|\S+)"""),
+        rf"\1{REDACTED}",
+    ),
+    # a bare "Authorization: <scheme> <value>" or "Bearer <value>" elsewhere
+    (re.compile(r"(?i)\b(authorization:\s*)(?:(?:bearer|basic|token)\s+)?[^\s'\"]+"), rf"\1{REDACTED}"),
+    (re.compile(r"(?i)\b(bearer\s+)(?!REDACTED)[^\s'\"]+"), rf"\1{REDACTED}"),
+    # user-info of a URL: scheme://user:password@host
+    (re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@'\"]+@"), rf"\1{REDACTED}@"),
+    # signed query strings: the value of each parameter named like a signature, credential, token or key
+    (re.compile(rf"(?i)([?&]{_SECRET_PARAM}=)[^&\s'\"#]*"), rf"\1{REDACTED}"),
+    # curl -u user:password, --user user:password
+    (re.compile(r"""(?i)((?:^|\s)(?:-u|--user)(?:\s+|=)(['"]?))[^\s'"]+"""), rf"\1{REDACTED}"),
+    # NAME=value of an environment variable named as a secret (AWS_SECRET_ACCESS_KEY=..., HF_TOKEN=...)
+    (
+        re.compile(r"\b([A-Z0-9_]*(?:SECRET|TOKEN|PASSWORD|KEY|CREDENTIALS?)[A-Z0-9_]*=)[^\s'\"]+"),
+        rf"\1{REDACTED}",
+    ),
+)
+
+
+def redact(text: str) -> str:
+    """``text`` (a data source or a command line) with the values that grant access replaced by REDACTED (the
+    module docstring lists them); everything else as it was."""
+    for pattern, replacement in _REDACTIONS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def _redact_line(line: str) -> str:
+    """One command.txt line redacted argument by argument (a pipe: source is one quoted argument holding a whole
+    command: its own quotes are seen unquoted), quoted again as the shell reads it; the W/k comment kept."""
+    m = _GEOMETRY.search(line)
+    body, comment = (line[: m.start()], line[m.start() :]) if m else (line, "")
+    try:
+        return shlex.join(redact(arg) for arg in shlex.split(body)) + comment
+    except ValueError:  # not shell-quoted as ds_clip writes it: redact the text as it is
+        return redact(body) + comment
 
 
 def _read_json(path: Path) -> Any:
@@ -68,7 +142,7 @@ def _data_line(s: dict) -> str:
     kind = s.get("dataset_type") or "?"
     if kind == "synthetic" or not s.get("train_data"):
         return "ds_clip's built-in synthetic captioned shapes (--dataset-type synthetic)"
-    line = f"`{s['train_data']}` ({kind})"
+    line = f"`{redact(str(s['train_data']))}` ({kind})"
     if s.get("train_num_samples"):
         line += f", --train-num-samples {s['train_num_samples']}"
     return line
@@ -84,9 +158,10 @@ def card_text(
     logit_scale: float | None = None,
     logit_bias: float | None = None,
     hf_class: str = "CLIPModel",
+    ema: bool = False,
 ) -> str:
     """The README.md of an export of ``checkpoint`` in format ``fmt`` ("open_clip" | "transformers"; ``hf_class``:
-    the transformers class, "CLIPModel" or "SiglipModel")."""
+    the transformers class, "CLIPModel" or "SiglipModel"; ``ema``: the weights are the run's weight EMA)."""
     s = meta.get("settings") or {}
     run = run_folder(checkpoint)
     step = int(meta["step"])
@@ -94,12 +169,22 @@ def card_text(
     name = s.get("name") or (run.name if run else checkpoint.name)
     vis, txt = meta["model_cfg"].get("vision_cfg", {}), meta["model_cfg"].get("text_cfg", {})
     library = "transformers" if fmt == "transformers" else "open_clip"
+    # transformers' zero-shot pipeline takes a softmax over a CLIPModel's logits: SigLIP-trained towers exported as
+    # CLIPModel score each pair with a sigmoid and the bias instead (the Use section), so no pipeline tag offers it.
+    sigmoid_clip = siglip and fmt == "transformers" and hf_class == "CLIPModel"
+    front = (
+        ["tags: [clip, siglip, ds_clip]"]
+        if sigmoid_clip
+        else [
+            "tags: [clip, ds_clip, zero-shot-image-classification]",
+            "pipeline_tag: zero-shot-image-classification",
+        ]
+    )
     lines = [
         "---",
         f"# license: {LICENSE_TODO}: an SPDX id (apache-2.0, mit, ...) or other; the hub reads it here",
         f"library_name: {library}",
-        "tags: [clip, ds_clip, zero-shot-image-classification]",
-        "pipeline_tag: zero-shot-image-classification",
+        *front,
         "---",
         "",
         f"# {name}",
@@ -132,6 +217,8 @@ def card_text(
             )
         lines.append(f"| logit bias | {_fmt(logit_bias)}{kept} |")
     w, k, m = meta.get("world_size"), meta.get("accum_freq"), meta.get("micro_batch_size")
+    launches = _launches(run)
+    resumed = len(launches) > 1
     lines += [
         "",
         "## Training",
@@ -140,7 +227,7 @@ def card_text(
         "|---|---|",
         f"| data | {_data_line(s)} |",
         f"| global batch | {meta.get('global_batch_size', '?')} pairs per optimizer step "
-        f"(W = {w} ranks x k = {k} micro-batches x m = {m} pairs) |",
+        f"(W = {w} {_ranks(w)} x k = {k} micro-batches x m = {m} pairs{' at this checkpoint' if resumed else ''}) |",
         f"| steps | {step} (samples seen {meta.get('samples_seen', '?')}, epoch {meta.get('epoch', '?')}) |",
         f"| precision | {meta.get('precision', '?')}, DeepSpeed ZeRO stage {meta.get('zero_stage', '?')} |",
         f"| optimizer | {s.get('optimizer', '?')}, lr {_fmt(s.get('lr'))}, weight decay {_fmt(s.get('wd'))}, "
@@ -148,20 +235,22 @@ def card_text(
         f"| seed | {s.get('seed', '?')} |",
     ]
     lines += ["", "## Command line", ""]
-    launches = _launches(run)
     if launches:
-        lines += [
-            "```bash",
-            *launches,
-            "```",
-            "",
-            f"(on {w} ranks; a later line is a resume of the same run)",
-        ]
+        shown = [_redact_line(ln) for ln in launches]
+        lines += ["```bash", *shown, "```", ""]
+        if all(_GEOMETRY.search(ln) for ln in launches):
+            lines.append("(each line one launch, with the W ranks and k micro-batches it trained on; a later line is a resume of the same run)")  # fmt: skip
+        else:  # a run folder written before command.txt recorded each launch's W and k
+            lines.append(f"(a later line is a resume of the same run; the exported checkpoint was saved on {w} {_ranks(w)})")  # fmt: skip
+        if shown != launches or redact(str(s.get("train_data") or "")) != str(s.get("train_data") or ""):
+            lines += ["", _REDACTED_NOTE]
     else:
         lines.append("(not recorded: the run folder has no command.txt)")
     lines += ["", "Exported with:", "", "```bash", command, "```"]
-    lines += ["", "## Results", "", *_results(run, step)]
-    lines += ["", "## Use", "", *_usage(fmt, hf_class)]
+    lines += ["", "## Results", "", *_results(run, step, ema=ema)]
+    lines += ["", "## Use", "", *_usage(fmt, hf_class, sigmoid_clip)]
+    if fmt == "transformers":
+        lines += ["", *_tokenizer_note(hf_class)]
     lines += [
         "",
         "## Licence",
@@ -187,14 +276,28 @@ def _launches(run: Path | None) -> list[str]:
     return [ln for ln in (run / COMMAND_FILE).read_text().splitlines() if ln.strip()]
 
 
-def _results(run: Path | None, step: int) -> list[str]:
+def _results(run: Path | None, step: int, *, ema: bool = False) -> list[str]:
+    """The evaluation at ``step`` (or the last before it). A run with --ema-decay evaluated both weights (the
+    EMA's metrics prefixed ``ema/``): the exported ones come first, each row saying whose they are."""
     out = []
     evals = _read_json(run / "eval_results.json") if run else None
     row = _row_at(evals, step) if isinstance(evals, list) else None
     if row:
+        values = {k: v for k, v in row.items() if k != "step" and _num(v) is not None}
         out += [f"Validation at step {_fmt(row['step'])} (ds_clip's evaluation, docs/evaluation.md):", ""]
-        out += ["| metric | value |", "|---|---|"]
-        out += [f"| {k} | {_fmt(v)} |" for k, v in row.items() if k != "step" and _num(v) is not None]
+        averaged = {k.removeprefix(EMA_PREFIX): v for k, v in values.items() if k.startswith(EMA_PREFIX)}
+        if averaged:
+            live = {k: v for k, v in values.items() if not k.startswith(EMA_PREFIX)}
+            groups = [("weight EMA", averaged), ("live weights", live)]
+            if not ema:
+                groups.reverse()
+            out += ["| weights | metric | value |", "|---|---|---|"]
+            for i, (who, metrics) in enumerate(groups):
+                label = f"{who} (exported)" if i == 0 else who
+                out += [f"| {label} | {k} | {_fmt(v)} |" for k, v in metrics.items()]
+        else:
+            out += ["| metric | value |", "|---|---|"]
+            out += [f"| {k} | {_fmt(v)} |" for k, v in values.items()]
     else:
         out.append("No validation or zero-shot results: the run had no --val-data / zero-shot evaluation.")
     metrics = run / "metrics.csv" if run else None
@@ -205,7 +308,7 @@ def _results(run: Path | None, step: int) -> list[str]:
     return out
 
 
-def _usage(fmt: str, hf_class: str) -> list[str]:
+def _usage(fmt: str, hf_class: str, sigmoid_clip: bool = False) -> list[str]:
     if fmt == "transformers" and hf_class == "SiglipModel":
         return [
             "```python",
@@ -219,6 +322,25 @@ def _usage(fmt: str, hf_class: str) -> list[str]:
             "```",
             "",
             "Each tower alone: `SiglipVisionModel` / `SiglipTextModel` (their `pooler_output`).",
+        ]
+    if sigmoid_clip:
+        return [
+            "```python",
+            "import torch",
+            "from transformers import AutoModel, AutoProcessor",
+            'model = AutoModel.from_pretrained("YOUR_ORG/YOUR_MODEL")        # CLIPModel, trained with the SigLIP loss',
+            'processor = AutoProcessor.from_pretrained("YOUR_ORG/YOUR_MODEL")',
+            'inputs = processor(text=["a photo of a cat"], images=image, return_tensors="pt", padding=True)',
+            "out = model(**inputs)  # out.image_embeds, out.text_embeds, out.logits_per_image",
+            "probs = torch.sigmoid(out.logits_per_image + model.config.logit_bias)  # SigLIP's pair probabilities",
+            "```",
+            "",
+            "The model was trained with SigLIP's sigmoid loss: each image-text pair has its own probability, "
+            "sigmoid(logits_per_image + logit_bias). transformers' zero-shot-image-classification pipeline takes a "
+            "softmax over a CLIPModel's logits instead, so this card offers no pipeline; ranking the texts by "
+            "`logits_per_image` gives the same order.",
+            "",
+            "Each tower alone: `CLIPVisionModelWithProjection` / `CLIPTextModelWithProjection` (or `CLIPVisionModel`).",
         ]
     if fmt == "transformers":
         return [
@@ -241,6 +363,29 @@ def _usage(fmt: str, hf_class: str) -> list[str]:
     ]
 
 
+def _tokenizer_note(hf_class: str) -> list[str]:
+    """What the exported tokenizer does not do that open_clip's does, and the one call that makes their ids equal."""
+    cleaning = (
+        "collapses whitespace and lower-cases (its normalizer)"
+        if hf_class == "CLIPModel"
+        else "applies open_clip's `clean` step (whitespace, case, punctuation; its normalizers)"
+    )
+    return [
+        "### Tokenizer",
+        "",
+        f"The tokenizer has open_clip's vocabulary, ids and padding, and {cleaning}, but not open_clip's "
+        "`basic_clean`: ftfy's `fix_text` (mojibake such as `cafÃ©`, curly quotes, ligatures, full-width forms, "
+        "control characters) and `html.unescape` (entities such as `&amp;`, `&#39;`). Captions that these change get "
+        "other ids than in training; all others (emoji, CJK, accents included) get the same ids. This call makes "
+        "them equal for every caption:",
+        "",
+        "```python",
+        "from open_clip.tokenizer import basic_clean  # pip install open_clip_torch (it brings ftfy)",
+        "inputs = processor(text=[basic_clean(t) for t in texts], ...)",
+        "```",
+    ]
+
+
 def write_card(out: Path, **kwargs: Any) -> Path:
     path = Path(out) / "README.md"
     path.write_text(card_text(**kwargs))
@@ -253,6 +398,7 @@ __all__ = [
     "card_text",
     "hub_upload_command",
     "launch_command",
+    "redact",
     "run_folder",
     "write_card",
 ]

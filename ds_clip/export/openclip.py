@@ -188,7 +188,7 @@ def export(
         out, meta=meta, checkpoint=path, fmt=fmt, command=shlex.join([*command, "--format", fmt]),
         weights=f"weight EMA (--ema-decay {meta.get('settings', {}).get('ema_decay')})" if ema else "trained weights",
         logit_scale=float(state["logit_scale"]) if "logit_scale" in state else None,
-        logit_bias=float(bias) if bias is not None else None, hf_class=hf_clip.target(model_cfg),
+        logit_bias=float(bias) if bias is not None else None, hf_class=hf_clip.target(model_cfg), ema=ema,
     )  # fmt: skip
     return out
 

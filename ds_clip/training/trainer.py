@@ -236,8 +236,10 @@ class Trainer:
         them only when it trains: a re-queued finished run leaves them as the run that trained wrote them."""
         run_dir = Path(self.s.logging.logs) / self.s.logging.name
         write_run_files(run_dir, settings_to_dict(self.s), self.ds, engine_config)
+        # Each launch's command line and the W, k, m it trains with, for the model card of an export (a resume
+        # adds its own line, on its own rank count).
         with (run_dir / COMMAND_FILE).open("a") as f:
-            f.write(launch_command(sys.argv[1:]) + "\n")
+            f.write(launch_command(sys.argv[1:], self.geometry) + "\n")
 
     def _log_precision(self) -> None:
         if self.info.is_main:
