@@ -39,6 +39,19 @@ _EVAL_FIELDS = ("val_data", "val_num_samples", "zeroshot_classes", "seed", "imag
                 "csv_separator", "csv_img_key", "csv_caption_key", "batch_size")  # fmt: skip
 
 
+def transformers_folder_message(folder: str) -> str:
+    """The one line for a transformers folder (config.json, no open_clip_config.json): ds-clip-eval evaluates
+    open_clip models, and ds-clip-export writes the same checkpoint as one."""
+    try:
+        kind = json.loads((Path(folder) / "config.json").read_text()).get("model_type") or "?"
+    except (OSError, ValueError, AttributeError):
+        kind = "?"
+    return (
+        f"{folder} is a transformers folder (config.json, model_type {kind}), not an open_clip model: export the "
+        "same checkpoint in open_clip format (ds-clip-export RUN OUT) and pass OUT to ds-clip-eval"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="ds-clip-eval",
@@ -104,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         name = args.model
         if Path(name).is_dir() and (Path(name) / "open_clip_config.json").is_file():
             name = f"local-dir:{name}"
+        elif Path(name).is_dir() and (Path(name) / "config.json").is_file():
+            raise EvalError(transformers_folder_message(args.model))
         from ds_clip.config.model_checks import check_pretrained
         from ds_clip.models.model import build_model, load_model_cfg
         from ds_clip.models.weights import resolve_pretrained
