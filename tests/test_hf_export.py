@@ -213,7 +213,7 @@ def test_transformers_export_equals_open_clip(runs, tmp_path, capsys, name):
             "# license: FILL IN before sharing",
             f"| model | `{model_name}`",
             "| global batch | 8 pairs per optimizer step (W = 2 ranks x k = 1" if name == "clip" else
-            "| global batch | 8 pairs per optimizer step (W = 1 ranks x k = 2",
+            "| global batch | 8 pairs per optimizer step (W = 1 rank x k = 2",
             "| steps | 2 ",
             "| precision | fp32, DeepSpeed ZeRO stage",
             f"ds-clip-train --model {model_name} ",
@@ -436,8 +436,8 @@ def test_model_card_reads_what_the_run_recorded(tmp_path):
     assert "ds-clip-train --name run1 --lr 1e-3\nds-clip-train --name run1 --resume latest\n" in card
     assert "Validation at step 4" in card and "| zeroshot_top1 | 0.5 |" in card and "0.9" not in card
     assert (
-        "| global batch | 64 pairs per optimizer step (W = 4 ranks x k = 2 micro-batches x m = 8 pairs) |"
-        in card
+        "| global batch | 64 pairs per optimizer step (W = 4 ranks x k = 2 micro-batches x m = 8 pairs at this "
+        "checkpoint) |" in card
     )
     assert (
         "| precision | bf16, DeepSpeed ZeRO stage 2 |" in card
@@ -452,3 +452,186 @@ def test_model_card_reads_what_the_run_recorded(tmp_path):
         "(not recorded: the run folder has no command.txt)" in card
         and "No validation or zero-shot results" in card
     )
+
+
+def _clip_export(folder: Path) -> Path:
+    """A transformers export of a fresh ds-clip-tiny-shaped open_clip model (E2E_MODEL, random weights), written by
+    the export's own build and save; beside it the open_clip model's folder (FOLDER/../oc) for its tokenizer."""
+    import open_clip
+
+    from ds_clip.export import hf_clip
+    from ds_clip.export.openclip import build_open_clip_model
+
+    model = build_open_clip_model(E2E_MODEL, {})
+    state = {k: v.float() for k, v in model.state_dict().items()}
+    built = hf_clip.build_transformers(state, E2E_MODEL, open_clip.get_model_preprocess_cfg(model))
+    folder.mkdir(parents=True)
+    hf_clip.save_transformers(folder, built)
+    return folder
+
+
+def test_transformers_export_holds_the_files_of_transformers_4_and_5(tmp_path):
+    """The folder holds what transformers 4.x reads and what 5.x reads, whichever version wrote it: 5.x saves the
+    image processor inside processor_config.json and the tokenizer as tokenizer.json alone, which 4.x's
+    AutoProcessor, CLIPProcessor and zero-shot pipeline refuse (no preprocessor_config.json, a nested image
+    processor, the tokenizer class TokenizersBackend). Loaded here with this transformers; tests/test_install.py
+    loads each version's export with the other."""
+    from PIL import Image
+    from transformers import AutoProcessor, CLIPProcessor, pipeline
+
+    folder = _clip_export(tmp_path / "hf")
+    names = {p.name for p in folder.iterdir()}
+    need = {"config.json", "model.safetensors", "preprocessor_config.json", "tokenizer.json",
+            "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"}  # fmt: skip
+    assert need <= names, sorted(names)
+    if "processor_config.json" in names:  # 5.x: its nested image processor is one 4.x cannot take
+        held = json.loads((folder / "processor_config.json").read_text())
+        assert not [k for k, v in held.items() if isinstance(v, dict)], held
+    assert (
+        json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+        != "TokenizersBackend"
+    )
+    assert json.loads((folder / "preprocessor_config.json").read_text())["image_processor_type"].startswith(
+        "CLIPImageProcessor"
+    )
+    assert type(AutoProcessor.from_pretrained(folder, local_files_only=True)) is CLIPProcessor
+    CLIPProcessor.from_pretrained(folder, local_files_only=True)
+    image = Image.fromarray(np.zeros((40, 48, 3), np.uint8), "RGB")
+    scores = pipeline("zero-shot-image-classification", model=str(folder))(image, candidate_labels=["a", "b"])
+    assert (
+        sorted(s["label"] for s in scores) == ["a", "b"] and abs(sum(s["score"] for s in scores) - 1) < 1e-5
+    )
+
+
+# Captions a crawl holds: HTML entities, mojibake (UTF-8 read as Latin-1), curly quotes, emoji, CJK, accents.
+REAL_CAPTIONS = [
+    "rock &amp; roll",
+    "Tom &#39;n&#39; Jerry &lt;3 &quot;cartoon&quot;",
+    "cafÃ© au lait on a table",
+    "\u201ccurly quotes\u201d and \ufb01ne ligatures",
+    "a dog \U0001f436 running on the beach \U0001f3d6\ufe0f",
+    "\u4e00\u53ea\u732b\u5750\u5728\u6905\u5b50\u4e0a",
+    "\u6771\u4eac\u30bf\u30ef\u30fc at night",
+    "Cr\u00e8me br\u00fbl\u00e9e \u00e0 la fran\u00e7aise",
+    "  spaces\tand\nnewlines  ",
+]
+
+
+def test_exported_tokenizer_ids_on_real_captions(tmp_path):
+    """open_clip cleans a caption (ftfy.fix_text, html.unescape, whitespace, lower case) before its BPE; the
+    exported CLIP tokenizer collapses whitespace and lower-cases only. On captions without entities or mojibake
+    (emoji, CJK, accents, odd spacing) the ids are open_clip's as they are; on every caption they are after
+    open_clip's basic_clean, the one call the model card gives; the card says which captions differ."""
+    import open_clip
+    from open_clip.tokenizer import basic_clean
+    from transformers import AutoTokenizer
+
+    from ds_clip.export.model_card import card_text
+
+    folder = _clip_export(tmp_path / "hf")
+    hf_tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    context = E2E_MODEL["text_cfg"].get("context_length", 77)
+    oc = open_clip.tokenize  # open_clip's SimpleTokenizer, as open_clip.get_tokenizer gives E2E_MODEL
+    expected = oc(REAL_CAPTIONS, context_length=context)
+
+    def ids(texts):
+        return hf_tok(texts, padding="max_length", truncation=True, return_tensors="pt")["input_ids"]
+
+    assert torch.equal(ids([basic_clean(t) for t in REAL_CAPTIONS]), expected)
+    raw = ids(REAL_CAPTIONS)
+    differ = [t for t, a, b in zip(REAL_CAPTIONS, raw, expected) if not torch.equal(a, b)]
+    assert differ == REAL_CAPTIONS[:4], differ  # entities, mojibake, curly quotes and ligatures
+    meta = {"step": 1, "model_cfg": E2E_MODEL, "settings": {}}
+    card = card_text(meta=meta, checkpoint=tmp_path / "step_1", fmt="transformers", weights="w", command="x")
+    for needle in ("`basic_clean`", "`html.unescape`", "ftfy's `fix_text`", "&amp;",
+                   "processor(text=[basic_clean(t) for t in texts]", "pass `split_special_tokens=True`"):  # fmt: skip
+        assert needle in card, (needle, card)
+
+
+def test_card_redacts_credentials_and_keeps_command_txt_whole(tmp_path):
+    """A published card never carries the run's secrets: a pipe: source's header value, a URL's user-info, a
+    signed query string (S3, Azure SAS), curl -u, a secret-named variable are REDACTED in the data line and the
+    command lines, the card says so, and the shell quoting of each line still reads as one argument per flag;
+    command.txt itself is untouched."""
+    import shlex
+
+    from ds_clip.export.model_card import card_text, launch_command
+
+    secrets = ["abc123tok", "hunter2", "deadbeefsig", "AKIAXXXX", "sasSIG", "s3cr3t", "alicepw"]
+    data = ("pipe:curl -L -s -H 'Authorization: Bearer abc123tok' https://bob:hunter2@host/{0..9}.tar "
+            "::https://b.s3.amazonaws.com/x.tar?X-Amz-Credential=AKIAXXXX&X-Amz-Signature=deadbeefsig&X-Amz-Expires=60")  # fmt: skip
+    run = tmp_path / "run1"
+    ckpt = run / "checkpoints" / "step_00000002"
+    ckpt.mkdir(parents=True)
+    lines = [
+        launch_command(["--train-data", data, "--name", "run1"]),
+        launch_command(["--train-data", "pipe:AWS_SECRET_ACCESS_KEY=s3cr3t curl -u alice:alicepw https://h/a.tar",
+                        "--val-data", "https://a.blob.core.windows.net/c/v.tar?sv=1&sig=sasSIG", "--resume", "latest"]),
+    ]  # fmt: skip
+    (run / "command.txt").write_text("\n".join(lines) + "\n")
+    meta = {"step": 2, "model_cfg": E2E_MODEL, "settings": {"train_data": data, "dataset_type": "webdataset"}}
+    card = card_text(meta=meta, checkpoint=ckpt, fmt="open_clip", weights="w", command="x")
+    assert not [s for s in secrets if s in card], card
+    assert "Authorization: REDACTED" in card and "https://REDACTED@host" in card
+    assert "X-Amz-Signature=REDACTED" in card and "X-Amz-Expires=60" in card and "sig=REDACTED" in card
+    assert "shown as REDACTED; the run folder's command.txt keeps them whole" in card
+    shown = card.split("```bash\n", 1)[1].split("\n```", 1)[0].splitlines()
+    assert [shlex.split(ln)[1:3:1][0] for ln in shown] == ["--train-data", "--train-data"]
+    assert (run / "command.txt").read_text() == "\n".join(lines) + "\n"
+    assert all(s in (run / "command.txt").read_text() for s in secrets)
+
+
+def test_card_names_each_launch_geometry_ema_results_first_and_sigmoid_use(tmp_path):
+    """A run trained on 2 ranks x k = 4 and resumed on 1 rank x k = 8: the card gives each launch its own W and k
+    (command.txt records them beside each line) and the global batch at the exported checkpoint. An EMA export
+    lists the weight EMA's metrics first (eval_results.json's ema/ keys), a live export the live ones. A
+    CLIP-architecture model trained with the SigLIP loss exported as CLIPModel shows sigmoid(logits_per_image +
+    logit_bias) and is not tagged for the zero-shot pipeline (its softmax); a CLIP-trained one is."""
+    from ds_clip.export.model_card import card_text, launch_command
+    from ds_clip.geometry import BatchGeometry
+
+    run = tmp_path / "run1"
+    ckpt = run / "checkpoints" / "step_00000008"
+    ckpt.mkdir(parents=True)
+    (run / "command.txt").write_text(
+        launch_command(["--local_rank=0", "--name", "run1", "--accum-freq", "4"], BatchGeometry(2, 4, 8)) + "\n"
+        + launch_command(["--name", "run1", "--accum-freq", "8", "--resume", "latest"], BatchGeometry(1, 8, 8)) + "\n"
+    )  # fmt: skip
+    (run / "eval_results.json").write_text(
+        json.dumps([{"step": 8, "zeroshot_top1": 0.25, "ema/zeroshot_top1": 0.75}])
+    )
+    meta = {"step": 8, "model_cfg": E2E_MODEL, "world_size": 1, "accum_freq": 8, "micro_batch_size": 8,
+            "global_batch_size": 64, "settings": {"siglip": True, "ema_decay": 0.99}}  # fmt: skip
+    card = card_text(meta=meta, checkpoint=ckpt, fmt="transformers", weights="weight EMA", command="x",
+                     logit_bias=-10.0, ema=True)  # fmt: skip
+    assert "ds-clip-train --name run1 --accum-freq 4  # W = 2 ranks x k = 4 x m = 8\n" in card
+    assert "--resume latest  # W = 1 rank x k = 8 x m = 8\n" in card
+    assert "(W = 1 rank x k = 8 micro-batches x m = 8 pairs at this checkpoint)" in card
+    assert "on 1 ranks" not in card and "1 ranks" not in card
+    ema_row, live_row = (
+        "| weight EMA (exported) | zeroshot_top1 | 0.75 |",
+        "| live weights | zeroshot_top1 | 0.25 |",
+    )
+    assert card.index(ema_row) < card.index(live_row), card
+    assert "torch.sigmoid(out.logits_per_image + model.config.logit_bias)" in card
+    assert "pipeline_tag" not in card and "zero-shot-image-classification]" not in card
+    live = card_text(meta={**meta, "settings": {"siglip": False}}, checkpoint=ckpt, fmt="transformers",
+                     weights="trained weights", command="x")  # fmt: skip
+    assert live.index("| live weights (exported) | zeroshot_top1 | 0.25 |") < live.index(
+        "| weight EMA | zeroshot_top1 | 0.75 |"
+    )
+    assert "pipeline_tag: zero-shot-image-classification" in live and "sigmoid" not in live
+
+
+def test_eval_of_a_transformers_folder_says_so_in_one_line(tmp_path, capsys):
+    """ds-clip-eval given a transformers export folder answers in one line that it is one and what to pass
+    instead, not with open_clip's list of ~150 built-in model names."""
+    from ds_clip.evaluate.cli import main as eval_main
+
+    folder = _clip_export(tmp_path / "hf")
+    capsys.readouterr()  # what the export printed
+    rc = eval_main([str(folder), "--val-data", "synthetic"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert f"{folder} is a transformers folder (config.json, model_type clip)" in err
+    assert "ds-clip-export RUN OUT" in err and "built-ins" not in err

@@ -370,7 +370,7 @@ def _tokenizer_note(hf_class: str) -> list[str]:
         if hf_class == "CLIPModel"
         else "applies open_clip's `clean` step (whitespace, case, punctuation; its normalizers)"
     )
-    return [
+    lines = [
         "### Tokenizer",
         "",
         f"The tokenizer has open_clip's vocabulary, ids and padding, and {cleaning}, but not open_clip's "
@@ -384,6 +384,13 @@ def _tokenizer_note(hf_class: str) -> list[str]:
         "inputs = processor(text=[basic_clean(t) for t in texts], ...)",
         "```",
     ]
+    if hf_class == "CLIPModel":  # the pad token is "!" (id 0, open_clip's padding)
+        lines += [
+            "",
+            'transformers 4.40 and 4.41 ignore the saved `split_special_tokens` setting and read a "!" in a caption '
+            "as the padding token: with those, pass `split_special_tokens=True` in the tokenizer or processor call.",
+        ]
+    return lines
 
 
 def write_card(out: Path, **kwargs: Any) -> Path:
