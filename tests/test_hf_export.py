@@ -454,9 +454,10 @@ def test_model_card_reads_what_the_run_recorded(tmp_path):
     )
 
 
-def _clip_export(folder: Path) -> Path:
+@pytest.fixture(scope="module")
+def clip_export(tmp_path_factory) -> Path:
     """A transformers export of a fresh ds-clip-tiny-shaped open_clip model (E2E_MODEL, random weights), written by
-    the export's own build and save; beside it the open_clip model's folder (FOLDER/../oc) for its tokenizer."""
+    the export's own build and save (no training: what is checked is the folder and its tokenizer)."""
     import open_clip
 
     from ds_clip.export import hf_clip
@@ -465,12 +466,12 @@ def _clip_export(folder: Path) -> Path:
     model = build_open_clip_model(E2E_MODEL, {})
     state = {k: v.float() for k, v in model.state_dict().items()}
     built = hf_clip.build_transformers(state, E2E_MODEL, open_clip.get_model_preprocess_cfg(model))
-    folder.mkdir(parents=True)
+    folder = tmp_path_factory.mktemp("clip_export")
     hf_clip.save_transformers(folder, built)
     return folder
 
 
-def test_transformers_export_holds_the_files_of_transformers_4_and_5(tmp_path):
+def test_transformers_export_holds_the_files_of_transformers_4_and_5(clip_export):
     """The folder holds what transformers 4.x reads and what 5.x reads, whichever version wrote it: 5.x saves the
     image processor inside processor_config.json and the tokenizer as tokenizer.json alone, which 4.x's
     AutoProcessor, CLIPProcessor and zero-shot pipeline refuse (no preprocessor_config.json, a nested image
@@ -479,7 +480,7 @@ def test_transformers_export_holds_the_files_of_transformers_4_and_5(tmp_path):
     from PIL import Image
     from transformers import AutoProcessor, CLIPProcessor, pipeline
 
-    folder = _clip_export(tmp_path / "hf")
+    folder = clip_export
     names = {p.name for p in folder.iterdir()}
     need = {"config.json", "model.safetensors", "preprocessor_config.json", "tokenizer.json",
             "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"}  # fmt: skip
@@ -517,7 +518,7 @@ REAL_CAPTIONS = [
 ]
 
 
-def test_exported_tokenizer_ids_on_real_captions(tmp_path):
+def test_exported_tokenizer_ids_on_real_captions(clip_export, tmp_path):
     """open_clip cleans a caption (ftfy.fix_text, html.unescape, whitespace, lower case) before its BPE; the
     exported CLIP tokenizer collapses whitespace and lower-cases only. On captions without entities or mojibake
     (emoji, CJK, accents, odd spacing) the ids are open_clip's as they are; on every caption they are after
@@ -528,7 +529,7 @@ def test_exported_tokenizer_ids_on_real_captions(tmp_path):
 
     from ds_clip.export.model_card import card_text
 
-    folder = _clip_export(tmp_path / "hf")
+    folder = clip_export
     hf_tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     context = E2E_MODEL["text_cfg"].get("context_length", 77)
     oc = open_clip.tokenize  # open_clip's SimpleTokenizer, as open_clip.get_tokenizer gives E2E_MODEL
@@ -623,13 +624,12 @@ def test_card_names_each_launch_geometry_ema_results_first_and_sigmoid_use(tmp_p
     assert "pipeline_tag: zero-shot-image-classification" in live and "sigmoid" not in live
 
 
-def test_eval_of_a_transformers_folder_says_so_in_one_line(tmp_path, capsys):
+def test_eval_of_a_transformers_folder_says_so_in_one_line(clip_export, capsys):
     """ds-clip-eval given a transformers export folder answers in one line that it is one and what to pass
     instead, not with open_clip's list of ~150 built-in model names."""
     from ds_clip.evaluate.cli import main as eval_main
 
-    folder = _clip_export(tmp_path / "hf")
-    capsys.readouterr()  # what the export printed
+    folder = clip_export
     rc = eval_main([str(folder), "--val-data", "synthetic"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1, err
