@@ -580,6 +580,10 @@ def test_card_redacts_credentials_and_keeps_command_txt_whole(tmp_path):
     assert [shlex.split(ln)[1:3:1][0] for ln in shown] == ["--train-data", "--train-data"]
     assert (run / "command.txt").read_text() == "\n".join(lines) + "\n"
     assert all(s in (run / "command.txt").read_text() for s in secrets)
+    elsewhere = tmp_path / "step_00000002"  # no run folder, no command.txt: the data line alone
+    elsewhere.mkdir()
+    card = card_text(meta=meta, checkpoint=elsewhere, fmt="open_clip", weights="w", command="x")
+    assert not [s for s in secrets if s in card] and "shown as REDACTED" in card
 
 
 def test_card_names_each_launch_geometry_ema_results_first_and_sigmoid_use(tmp_path):

@@ -27,7 +27,7 @@ REDACTED = "REDACTED"
 LICENSE_TODO = "FILL IN before sharing"
 EMA_PREFIX = "ema/"  # eval_results.json: the weight EMA's metrics (ds_clip.evaluate.evaluator's views)
 _REDACTED_NOTE = (
-    "Secrets in the training data and command lines above (header values, URL user-info, signed query strings, "
+    "Secrets in the training data and command lines of this card (header values, URL user-info, signed query strings, "
     f"passwords, secret-named variables) are shown as {REDACTED}; the run folder's command.txt keeps them whole."
 )
 
@@ -204,7 +204,7 @@ def card_text(
         f"| weights | {weights} (fp32) |",
     ]
     if s.get("pretrained"):
-        lines.append(f"| started from | `{s['pretrained']}` |")
+        lines.append(f"| started from | `{redact(str(s['pretrained']))}` |")
     if logit_scale is not None:
         lines.append(f"| logit scale | exp(logit_scale) = {_fmt(2.718281828459045**logit_scale)} |")
     if logit_bias is not None:
@@ -242,11 +242,12 @@ def card_text(
             lines.append("(each line one launch, with the W ranks and k micro-batches it trained on; a later line is a resume of the same run)")  # fmt: skip
         else:  # a run folder written before command.txt recorded each launch's W and k
             lines.append(f"(a later line is a resume of the same run; the exported checkpoint was saved on {w} {_ranks(w)})")  # fmt: skip
-        if shown != launches or redact(str(s.get("train_data") or "")) != str(s.get("train_data") or ""):
-            lines += ["", _REDACTED_NOTE]
     else:
         lines.append("(not recorded: the run folder has no command.txt)")
-    lines += ["", "Exported with:", "", "```bash", command, "```"]
+    lines += ["", "Exported with:", "", "```bash", _redact_line(command), "```"]
+    quoted = [*launches, command, str(s.get("train_data") or ""), str(s.get("pretrained") or "")]
+    if any(redact(text) != text for text in quoted):
+        lines += ["", _REDACTED_NOTE]
     lines += ["", "## Results", "", *_results(run, step, ema=ema)]
     lines += ["", "## Use", "", *_usage(fmt, hf_class, sigmoid_clip)]
     if fmt == "transformers":
