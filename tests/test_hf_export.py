@@ -545,7 +545,7 @@ def test_exported_tokenizer_ids_on_real_captions(clip_export, tmp_path):
     meta = {"step": 1, "model_cfg": E2E_MODEL, "settings": {}}
     card = card_text(meta=meta, checkpoint=tmp_path / "step_1", fmt="transformers", weights="w", command="x")
     for needle in ("`basic_clean`", "`html.unescape`", "ftfy's `fix_text`", "&amp;",
-                   "processor(text=[basic_clean(t) for t in texts]", "pass `split_special_tokens=True`"):  # fmt: skip
+                   "processor(text=[basic_clean(t) for t in texts]", "use 4.42 or later for captions with a \"!\""):  # fmt: skip
         assert needle in card, (needle, card)
 
 

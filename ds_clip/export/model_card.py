@@ -388,8 +388,9 @@ def _tokenizer_note(hf_class: str) -> list[str]:
     if hf_class == "CLIPModel":  # the pad token is "!" (id 0, open_clip's padding)
         lines += [
             "",
-            'transformers 4.40 and 4.41 ignore the saved `split_special_tokens` setting and read a "!" in a caption '
-            "as the padding token: with those, pass `split_special_tokens=True` in the tokenizer or processor call.",
+            'The padding token is open_clip\'s, "!" (id 0); the saved `split_special_tokens` setting keeps a "!" in a '
+            "caption an ordinary token from transformers 4.42 on. transformers 4.40 and 4.41 cannot split special "
+            'tokens in this (fast) tokenizer and read it as padding: use 4.42 or later for captions with a "!".',
         ]
     return lines
 
