@@ -18,6 +18,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import tomllib
 from packaging.version import Version
 
@@ -215,3 +216,74 @@ def check_versions_and_two_ranks(env: dict, oldest: bool) -> None:
     assert (
         f"torch {shown['torch']}" in logged[0] and f"huggingface_hub {shown['huggingface_hub']}" in logged[0]
     )
+
+
+# Runs in a fresh environment (its transformers, or the other major release put in front of it on PYTHONPATH):
+# loads an export folder with AutoProcessor, CLIPProcessor, AutoTokenizer, AutoModel and the zero-shot pipeline,
+# and prints what they give as one line of JSON.
+LOAD_EXPORT = """
+import json, sys
+import numpy as np, torch, transformers
+from PIL import Image
+from transformers import AutoModel, AutoProcessor, AutoTokenizer, CLIPProcessor, pipeline
+folder = sys.argv[1]
+processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+clip_processor = CLIPProcessor.from_pretrained(folder, local_files_only=True)
+tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+ids = tokenizer(["a red circle", "Wow, a BLUE square"], padding="max_length", truncation=True)["input_ids"]
+# "!" is the pad token's text: an ordinary token from 4.42 on (split_special_tokens), padding in 4.40 and 4.41
+bang = tokenizer(["a photo!"], padding="max_length", truncation=True)["input_ids"]
+image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 48, 3), dtype=np.uint8), "RGB")
+scores = pipeline("zero-shot-image-classification", model=folder)(image, candidate_labels=["a circle", "a square"])
+model = AutoModel.from_pretrained(folder, local_files_only=True).eval()
+# The model alone on fixed pixels (5.x's default image processor resizes with torch, within an 8-bit level of
+# 4.x's PIL one: the pipeline's scores agree to that).
+side = processor.image_processor.crop_size["height"]
+pixels = torch.randn(1, 3, side, side, generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    text = processor(text=["a circle", "a square"], return_tensors="pt", padding=True)
+    logits = model(pixel_values=pixels, input_ids=text["input_ids"], attention_mask=text["attention_mask"])
+print("LOADED " + json.dumps({
+    "transformers": transformers.__version__, "processor": type(processor).__name__,
+    "clip_processor": type(clip_processor).__name__, "ids": ids, "bang": bang,
+    "scores": {s["label"]: s["score"] for s in scores}, "logits": logits.logits_per_image.tolist()}))
+"""
+
+
+def check_exports_load_across_transformers(env: dict, run_dir: Path, other: str) -> None:
+    """A transformers export of RUN_DIR made with the environment's transformers loads with the OTHER major
+    release (a requirement, put on PYTHONPATH in front of the environment's own, no second venv), and the
+    reverse: AutoProcessor, CLIPProcessor, AutoTokenizer, AutoModel and pipeline("zero-shot-image-classification")
+    on both folders, with the same token ids, logits and pipeline scores whoever made and whoever loads them."""
+    overlay = env["cwd"] / "other_transformers"
+    added = run([env["venv"] / "bin" / "python", "-m", "pip", "install", "-q", "--target", overlay, other],
+                cwd=env["cwd"], env=env["env"], timeout=1800)  # fmt: skip
+    assert added.returncode == 0, added.stdout[-3000:] + added.stderr[-3000:]
+    own_env = env["env"]
+    other_env = {
+        **own_env,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(overlay), own_env.get("PYTHONPATH")])),
+    }
+    folders = {"own": env["cwd"] / "export_own", "other": env["cwd"] / "export_other"}
+    for who, made_env in (("own", own_env), ("other", other_env)):
+        made = run([env["venv"] / "bin" / "ds-clip-export", run_dir, folders[who], "--format", "transformers"],
+                   cwd=env["cwd"], env=made_env)  # fmt: skip
+        assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
+    loaded = {}
+    for made, loader in (("own", "other"), ("other", "own"), ("own", "own"), ("other", "other")):
+        proc = run([env["venv"] / "bin" / "python", "-c", LOAD_EXPORT, folders[made]], cwd=env["cwd"],
+                   env=own_env if loader == "own" else other_env)  # fmt: skip
+        assert proc.returncode == 0, (made, loader, (proc.stdout + proc.stderr)[-4000:])
+        (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("LOADED ")]
+        loaded[made, loader] = json.loads(line[len("LOADED ") :])
+    versions = {loaded[m, who]["transformers"] for m in folders for who in ("own", "other")}
+    assert len({v.split(".")[0] for v in versions}) == 2, versions  # two major releases, 4.x and 5.x
+    first = loaded["own", "own"]
+    assert first["processor"] == first["clip_processor"] == "CLIPProcessor", first
+    for key, got in loaded.items():
+        assert got["processor"] == "CLIPProcessor" and got["ids"] == first["ids"], (key, got, first)
+        # "!" splits from 4.42 on (model card: 4.40 and 4.41 read it as padding)
+        assert (got["bang"] == first["bang"]) == (Version(got["transformers"]) >= Version("4.42")), (key, got)
+        for label, score in first["scores"].items():
+            assert abs(got["scores"][label] - score) < 1e-3, (key, got, first)
+        assert np.allclose(got["logits"], first["logits"], atol=1e-4), (key, got, first)

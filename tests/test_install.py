@@ -40,6 +40,7 @@ from tests.installs import (
     SHIPPED_RECIPES,
     TRAIN_ARGS,
     build_wheel,
+    check_exports_load_across_transformers,
     check_versions_and_two_ranks,
     checkout_copy,
     fp16_supported,
@@ -171,7 +172,7 @@ def test_hub_and_export_tests_pass_with_the_newest_transformers(fresh):
     tests/test_hub.py, with hub tokenizers from a stand-in hub on 127.0.0.1, online and offline, under the
     launcher; every test of tests/test_hf_export.py, the transformers export loaded by transformers) pass against
     the installed wheel. The rest of those modules (launch, resume and weight-source promises that no client
-    version changes) run once, in the suite's own venv. Runs last in this module: it adds to `fresh`."""
+    version changes) run once, in the suite's own venv. Runs after the tests above: it adds to `fresh`."""
     venv, env = fresh["venv"], fresh["env"]
     added = run([venv / "bin" / "python", "-m", "pip", "install", "-q", f"{fresh['wheel']}[hub,hf]", "pytest"],
                  cwd=fresh["cwd"], env=env, timeout=1800)  # fmt: skip
@@ -186,3 +187,17 @@ def test_hub_and_export_tests_pass_with_the_newest_transformers(fresh):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert re.search(r"\d+ passed", out) and " skipped" not in out, out[-3000:]
+
+
+def test_transformers_exports_load_across_4_and_5(fresh):
+    """A transformers export made with the newest transformers (5.x, installed by the test above) loads with the
+    oldest the `hf` extra declares (4.40, put in front of it on PYTHONPATH: transformers 5 needs a newer torch
+    than the oldest environment's), and the 4.40 export loads with 5.x: AutoProcessor, CLIPProcessor,
+    AutoTokenizer, AutoModel and pipeline("zero-shot-image-classification"), with the same token ids, logits and
+    scores. The run exported is the one the default-preset test trained."""
+    venv, env = fresh["venv"], fresh["env"]
+    added = run([venv / "bin" / "python", "-m", "pip", "install", "-q", f"{fresh['wheel']}[hf]"], cwd=fresh["cwd"],
+                env=env, timeout=1800)  # already there after the test above; its newest transformers otherwise  # fmt: skip
+    assert added.returncode == 0, added.stdout[-3000:] + added.stderr[-3000:]
+    assert int(versions(fresh)["transformers"].split(".")[0]) >= 5
+    check_exports_load_across_transformers(fresh, fresh["cwd"] / "logs" / "default", "transformers==4.40.0")
