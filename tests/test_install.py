@@ -5,7 +5,8 @@ that the disk never holds both):
 
 - newest (this module): no constraints, no extras: what `pip install ds_clip` gives a new user today
   (huggingface_hub 1.x or later among them). Every shipped DeepSpeed preset trains here, and the hub tests
-  (tests/test_hub.py) pass again with the `hub` extra's newest transformers and huggingface_hub.
+  (tests/test_hub.py) pass again with the `hub` extra's newest transformers and huggingface_hub; a transformers
+  export made with 5.x loads with 4.40 (the `hf` extra's minimum, on PYTHONPATH in front) and the reverse.
 - oldest (tests/test_install_oldest.py): a constraints file pins each dependency to the minimum pyproject.toml
   declares.
 
