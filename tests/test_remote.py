@@ -262,6 +262,7 @@ def s3(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # botocore reads credentials from the environment at each request
     _restart_fork_server()
+    _forget_s3_clients()
     try:
         _s3fs(env).mkdir("ckpt")
         yield env
@@ -274,6 +275,7 @@ def s3(tmp_path_factory):
         server.terminate()
         server.wait(timeout=30)
         _restart_fork_server()
+        _forget_s3_clients()
 
 
 def test_a_resumed_run_that_rewrites_steps_makes_the_remote_copy_the_local_one(tmp_path, s3):
@@ -325,6 +327,14 @@ def test_a_resumed_run_that_rewrites_steps_makes_the_remote_copy_the_local_one(t
     there = "ckpt/runs/r/checkpoints"
     assert fs.exists(f"{there}/{ck.tag_for(6)}/{ck.MARKER}") and same_on_remote(new6)
     assert not fs.exists(f"{there}/{ck.tag_for(4)}") and not fs.exists(f"{there}/{ck.tag_for(2)}")
+
+
+def _forget_s3_clients() -> None:
+    """Drop the S3 clients fsspec keeps per process: an s3:// file system is cached by its arguments, so one made
+    under another test's environment (its server, since stopped) would answer here instead of this server."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 def _restart_fork_server() -> None:
