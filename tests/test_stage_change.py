@@ -37,6 +37,26 @@ TOL = 1e-5
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
+# The resume matrix, (optimizer, saved stage on 1 rank, resumed stage on 2 ranks, schedule), inside the same two
+# process groups: every optimizer (adamw, sgd, muon), stage change (0->3, 3->1, 1->2, each with another W) and
+# schedule (the flags', a JSON WarmupLR, a JSON WarmupCosineLR) at least once, not the cross product.
+MATRIX = [
+    ("sgd", 0, 3, "WarmupLR"),
+    ("adamw", 0, 3, "WarmupCosineLR"),
+    ("sgd", 3, 1, "WarmupLR"),
+    ("muon", 1, 2, "flags"),
+]
+SCHEDULES = {
+    # Linear warm-up from 1e-4: each of the 4 steps trains at another lr, none at 0.
+    "WarmupLR": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3,
+                                                "warmup_num_steps": 3, "warmup_type": "linear"}},
+    "WarmupCosineLR": {"type": "WarmupCosineLR", "params": {"total_num_steps": STEPS, "warmup_num_steps": 2,
+                                                            "warmup_min_ratio": 0.1}},
+}  # fmt: skip
+# Muon orthogonalizes each update (every element moves by ~lr whatever the gradient's size), which turns the
+# reduction's rounding into ~1e-5 here; a lost momentum changes the update's direction, ~lr = 1e-3 per step.
+MATRIX_TOL = {"adamw": TOL, "sgd": TOL, "muon": 1e-4}
+
 
 def _flag(precision: str, world: int, zero: int) -> int | None:
     """--zero-stage for ``zero``, or None (no flag) where it is the default on ``world`` ranks."""
@@ -63,6 +83,71 @@ def _train(argv: list[str]) -> dict[str, torch.Tensor] | None:
     loaded = _optimizer_state(trainer.engine) if "--resume" in argv else None
     trainer.train()
     return loaded
+
+
+def _matrix_args(model: str, logs: Path, name: str, case: tuple, zero: int, *extra: str) -> list[str]:
+    opt, schedule = case[0], case[3]
+    sched = (
+        ["--warmup", "1"] if schedule == "flags" else ["--ds-config", str(logs.parent / f"{schedule}.json")]
+    )
+    # AdamW at eps 1e-4 keeps the reduction's rounding from turning into lr-sized updates (as above); SGD with
+    # momentum, so that it has a state to carry.
+    sched += {"adamw": ["--eps", "1e-4"], "sgd": ["--momentum", "0.9"]}.get(opt, [])
+    return [
+        "--model", model, "--batch-size", str(M), "--global-batch-size", str(N), "--max-steps", str(STEPS),
+        "--log-every-n-steps", str(STEPS), "--logs", str(logs), "--name", name, "--workers", "0",
+        "--precision", "fp32", "--lr", "1e-3", "--wd", "0.1", "--opt", opt, "--zero-stage", str(zero),
+        "--save-every-n-steps", str(SAVE_AT), "--train-num-samples", "4000", *sched, *extra,
+    ]  # fmt: skip
+
+
+def _train_watched(argv: list[str]) -> dict:
+    """A run of the real trainer that records, before each optimizer step, every group's lr (what the step trains
+    with), and the line a resume logs."""
+    import logging
+
+    from ds_clip.config import parse_settings
+    from ds_clip.training.trainer import Trainer
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("ds_clip").addHandler(handler)
+    try:
+        trainer = Trainer(parse_settings(argv))
+        lrs, step = [], trainer.run_step.train
+
+        def train(*args, **kwargs):
+            lrs.append([g["lr"] for g in trainer.engine.optimizer.param_groups])
+            return step(*args, **kwargs)
+
+        trainer.run_step.train = train  # observed only: the same call, after reading the groups
+        trainer.train()
+    finally:
+        logging.getLogger("ds_clip").removeHandler(handler)
+    return {"lrs": lrs, "resumed": [line for line in lines if line.startswith("resumed from")]}
+
+
+def _matrix_saved(model: str, logs: Path) -> dict:
+    """On 1 rank, each case's straight run under its saved stage: 4 steps, saved at step 2."""
+    return {
+        case: _train_watched(_matrix_args(model, logs, _name(case, "src"), case, case[1])) for case in MATRIX
+    }
+
+
+def _matrix_resumed(model: str, logs: Path) -> dict:
+    """On 2 ranks, each case resumed from its straight run's step 2 under its other stage."""
+    out = {}
+    for case in MATRIX:
+        ckpt = logs / _name(case, "src") / "checkpoints" / ck.tag_for(SAVE_AT)
+        out[case] = _train_watched(
+            _matrix_args(model, logs, _name(case, "res"), case, case[2], "--resume", str(ckpt))
+        )
+    return out
+
+
+def _name(case: tuple, kind: str) -> str:
+    return f"{kind}_{case[0]}_z{case[1]}_z{case[2]}_{case[3]}"
 
 
 def _optimizer_state(engine) -> dict[str, torch.Tensor]:
@@ -141,9 +226,19 @@ def runs(tmp_path_factory) -> dict:
     (root / "model" / "open_clip_config.json").write_text(
         json.dumps({"model_cfg": E2E_MODEL, "preprocess_cfg": {}})
     )
+    for schedule, block in SCHEDULES.items():
+        (root / f"{schedule}.json").write_text(json.dumps({"scheduler": block}))
     model, logs = f"local-dir:{root / 'model'}", root / "logs"
-    spawn_group(1, _saved, model, logs)
-    return {"logs": logs, "moved": spawn_group(2, _resumed, model, logs)}
+    straight = spawn_group(1, _both, _saved, _matrix_saved, model, logs)
+    moved, resumed = spawn_group(2, _both, _resumed, _matrix_resumed, model, logs)
+    return {"logs": logs, "moved": moved, "straight": straight, "resumed": resumed}
+
+
+def _both(first, second, model: str, logs: Path):
+    """Two sets of runs in one process group; the second's result (and the first's, where it has one)."""
+    done = first(model, logs)
+    result = second(model, logs)
+    return result if done is None else (done, result)
 
 
 def _final(logs: Path, name: str) -> dict[str, torch.Tensor]:
@@ -231,3 +326,34 @@ def test_fp32_with_the_defaults_4_ranks_come_back_as_5(tmp_path):
     assert ck.read_meta(logs / "four_to_five" / "checkpoints" / ck.tag_for(STEPS))["zero_stage"] == 1
     diff = _max_abs_diff(_final(logs, "four_to_five"), _final(logs, "five"))
     assert diff <= TOL, diff
+
+
+@pytest.mark.parametrize("case", MATRIX, ids=["-".join(map(str, c)) for c in MATRIX])
+def test_a_resume_onto_another_stage_and_world_size_is_the_straight_run(runs, case):
+    """Saved at step 2 on 1 rank under one stage, resumed on 2 ranks under another, for SGD with momentum (its
+    ``momentum_buffer`` and no step count), AdamW and Muon (``momentum_buffer`` beside its AdamW's moments), with
+    the flags' schedule or a JSON WarmupLR / WarmupCosineLR: every step after the move trains at the lr the straight
+    run trained that step at (DeepSpeed's schedulers restore only their position; the lr they set at construction,
+    written into the groups, trained the first step after the move), and the weights at step 4 are the straight
+    run's within the gradient contract's rounding. The one resume line says what was restored."""
+    straight, resumed = runs["straight"][case], runs["resumed"][case]
+    assert resumed["lrs"] == straight["lrs"][SAVE_AT:], (resumed["lrs"], straight["lrs"])
+    logs = runs["logs"]
+    diff = _max_abs_diff(_final(logs, _name(case, "res")), _final(logs, _name(case, "src")))
+    assert diff <= MATRIX_TOL[case[0]], diff
+    (line,) = resumed["resumed"]
+    lrs = ",".join(f"{lr:.6g}" for lr in straight["lrs"][SAVE_AT])
+    keys = {
+        "sgd": "[momentum_buffer | momentum_buffer]",
+        "adamw": "[exp_avg,exp_avg_sq,step | exp_avg,exp_avg_sq,step]",
+    }
+    assert f"(W 1 ZeRO-{case[1]} fp32 -> W 2 ZeRO-{case[2]} fp32, resharded)" in line, line
+    assert f"lr per group next step [{lrs}]" in line and "loss scale none" in line, line
+    assert f"data epoch 0 step {SAVE_AT} in epoch" in line and "EMA none" in line, line
+    if case[0] == "muon":
+        assert "momentum_buffer" in line and "exp_avg,exp_avg_sq,step" in line, line
+    else:
+        assert f"optimizer state per group {keys[case[0]]}" in line, line
+    assert ("optimizer step none counted" if case[0] == "sgd" else f"optimizer step {SAVE_AT}") in line, line
+    if case[3] != "flags":
+        assert f"scheduler {case[3]} at {SAVE_AT - 1}" in line, line

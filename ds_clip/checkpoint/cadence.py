@@ -13,6 +13,7 @@ from ds_clip.checkpoint.layout import (
     MARKER,
     SaveError,
     _rank,
+    _world,
 )
 from ds_clip.checkpoint.load import (
     load,
@@ -22,6 +23,28 @@ from ds_clip.config import CheckpointSettings
 from ds_clip.geometry import BatchGeometry
 
 logger = logging.getLogger("ds_clip")
+
+
+def describe_resume(state: dict[str, Any], data, *, ema: bool | None) -> str:
+    """The one line a resume logs: where from and onto what, then everything it restored as the next step reads
+    it (``load.restored_summary``, this rank's part): the optimizer's state keys per group, its step count,
+    every group's lr for the next step, the fp16 loss scale, the scheduler's position, the data position, whose
+    RNG state, the weight EMA."""
+    meta, r = state["meta"], state["restored"]
+    here = f"W {_world()} ZeRO-{r['stage']} {r['precision']}"
+    there = f"W {meta['world_size']} ZeRO-{meta['zero_stage']}"
+    keys = " | ".join(",".join(k) or "-" for k in r["state_keys"])
+    steps = "/".join(str(s) for s in r["steps"]) or "none counted"
+    lrs = ",".join(f"{lr:.6g}" for lr in r["lr"])
+    sched = "none" if r["scheduler"] is None else f"{r['scheduler'][0]} at {r['scheduler'][1]}"
+    scale = "none" if r["loss_scale"] is None else f"{r['loss_scale']:g}"
+    return (
+        f"resumed from {state['path']} at step {state['step']} ({there} {meta.get('precision', '?')} -> {here}"
+        f"{', resharded' if state['resharded'] else ''}): optimizer state per group [{keys}], optimizer step "
+        f"{steps}, lr per group next step [{lrs}], loss scale {scale}, scheduler {sched}, data epoch "
+        f"{data.epoch} step {data.step_in_epoch} in epoch ({state.get('samples_seen')} samples), RNG of saved rank "
+        f"{state['rng_from']}, EMA {'none' if ema is None else 'restored' if ema else 'not in the checkpoint'}"
+    )
 
 
 def epochs_done_at(step: int, steps_per_epoch: int | None) -> int | None:
@@ -176,15 +199,7 @@ class Checkpointer:
         self.data.load_state_dict(state["data"])
         self.resumed_from = Path(state["path"])
         self._holds = (int(state["step"]), self.resumed_from)
-        for part in self.parts:
-            part.load_from(self.resumed_from, is_main=is_main)
+        parts = [part.load_from(self.resumed_from, is_main=is_main) for part in self.parts]
         if is_main:
-            logger.info(
-                "resumed from %s at step %d (epoch %d, step %d in epoch)%s",
-                state["path"],
-                state["step"],
-                self.data.epoch,
-                self.data.step_in_epoch,
-                " on a new world size / ZeRO stage" if state["resharded"] else "",
-            )
+            logger.info("%s", describe_resume(state, self.data, ema=parts[0] if parts else None))
         return int(state["step"])

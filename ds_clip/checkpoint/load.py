@@ -25,6 +25,7 @@ from ds_clip.checkpoint.layout import (
 from ds_clip.checkpoint.rng import (
     set_rng_state,
 )
+from ds_clip.checkpoint.universal import write_zero_universal
 from ds_clip.distributed import barrier as _barrier
 from ds_clip.distributed import broadcast_object
 from ds_clip.errors import UserError
@@ -150,7 +151,8 @@ def load(
     settings: dict[str, Any] | None = None,
     agreed: Path | None = None,
 ) -> dict[str, Any]:
-    """Every rank calls this; returns {'step', 'epoch', 'samples_seen', 'data', 'path', 'meta', 'resharded'}.
+    """Every rank calls this; returns {'step', 'epoch', 'samples_seen', 'data', 'path', 'meta', 'resharded',
+    'rng_from' (the saved rank whose RNG state this rank took), 'restored' (``restored_summary``)}.
     ``agreed``: the checkpoint folder the ranks agreed on at start (``resolve``), loaded without looking up
     ``--resume`` again.
 
@@ -181,6 +183,7 @@ def load(
         raise
     except (RuntimeError, ValueError, KeyError, OSError, AssertionError) as exc:
         raise CheckpointError(f"{flag}: cannot load {path}: {type(exc).__name__}: {exc}") from exc
+    apply_schedule(engine)  # every path: the lr the restored schedule gives the next step
     # This rank's data position and RNG; on another world size, rank 0's position (the data loader counts
     # whole micro-batches from it) and the RNG state of rank r mod W_saved.
     own = path / f"rank{rank}.json"
@@ -193,6 +196,8 @@ def load(
     )
     set_rng_state(per_rank["rng"])
     return {
+        "rng_from": int(src.stem[len("rank") :]),
+        "restored": restored_summary(engine),
         "step": int(meta["step"]),
         "epoch": meta.get("epoch"),
         "samples_seen": meta.get("samples_seen"),
@@ -208,10 +213,9 @@ def _has_zero_files(path: Path) -> bool:
 
 
 def _universal_dir(path: Path, meta: dict[str, Any], run_dir: Path | None, flag: str) -> Path:
-    """``path`` in DeepSpeed's universal layout (zero/<parameter name>/{fp32,exp_avg,...}.pt), written once by
-    rank 0 next to this run's checkpoints: by DeepSpeed's ``ds_to_universal`` from a ZeRO 1-3 checkpoint, by
-    ``_stage0_to_universal`` from a ZeRO-0 one (DeepSpeed converts only partitioned checkpoints)."""
-    from argparse import Namespace
+    """``path`` in DeepSpeed's universal layout (zero/<parameter name>/{fp32,<every optimizer state key>}.pt),
+    written once by rank 0 next to this run's checkpoints: by ``universal.write_zero_universal`` from a ZeRO 1-3
+    checkpoint, by ``_stage0_to_universal`` from a ZeRO-0 one."""
 
     out_root = (run_dir / "checkpoints") if run_dir is not None else path.parent
     out = out_root / f"{UNIVERSAL_PREFIX}{path.parent.parent.name}-{path.name}"
@@ -222,22 +226,7 @@ def _universal_dir(path: Path, meta: dict[str, Any], run_dir: Path | None, flag:
                 shutil.rmtree(out)
             out.mkdir(parents=True)
             if _has_zero_files(path):
-                from deepspeed.checkpoint import ds_to_universal
-
-                ds_to_universal.main(
-                    Namespace(
-                        input_folder=str(path),
-                        output_folder=str(out),
-                        num_extract_workers=1,
-                        num_merge_workers=1,
-                        keep_temp_folder=False,
-                        strict=True,
-                        inject_missing_state=True,
-                    )
-                )
-                _drop_universal_pointer(out)
-                if not (out / "mp_rank_00_model_states.pt").exists():
-                    _complete_zero3_universal(path, out)
+                write_zero_universal(path, out, int(meta["zero_stage"]))
             else:
                 _stage0_to_universal(path, meta, out, flag)
             (out / MARKER).write_text(path.name)
@@ -257,29 +246,6 @@ def _universal_dir(path: Path, meta: dict[str, Any], run_dir: Path | None, flag:
             "the world size and ZeRO stage it was saved with, or export it and fine-tune with --pretrained"
         )
     return out
-
-
-def _complete_zero3_universal(path: Path, out: Path) -> None:
-    """DeepSpeed 0.19.8's ``ds_to_universal`` writes a ZeRO-3 source in a variant its own ZeRO-1/2 universal load
-    cannot read: per-parameter files hold bare tensors (it reads ``{"param": tensor}``), the step count is only
-    in ``optimizer_state.pt`` (which lacks the ``ds_version`` the load asserts on), and the model-state files are
-    per rank (``zero_pp_rank_R_mp_rank_00_model_states.pt``: the load reads the scheduler and counters from
-    ``mp_rank_00_model_states.pt``). Complete it into the ZeRO-1/2 form; ds_clip's own loaders read both."""
-    import deepspeed
-
-    zero = out / "zero"
-    step = _universal_step(zero)
-    for folder in (f for f in zero.iterdir() if f.is_dir()):
-        for f in folder.glob("*.pt"):
-            t = safe_load(f)
-            if torch.is_tensor(t):
-                torch.save({"param": t}, f)
-        if any(folder.glob("exp_avg*.pt")) and not (folder / "step.pt").exists():
-            torch.save(step, folder / "step.pt")
-    optimizer_state = safe_load(zero / "optimizer_state.pt")
-    optimizer_state.setdefault("ds_version", deepspeed.__version__)
-    torch.save(optimizer_state, zero / "optimizer_state.pt")
-    shutil.copy2(sorted(path.glob("*mp_rank_00_model_states.pt"))[0], out / "mp_rank_00_model_states.pt")
 
 
 def _stage0_to_universal(path: Path, meta: dict[str, Any], out: Path, flag: str) -> None:
@@ -337,11 +303,14 @@ def _engine_shape(t: torch.Tensor) -> torch.Tensor:
 
 def _load_other_shape(engine, path: Path, meta: dict[str, Any], stage: int, flag: str, run_dir) -> None:
     """Another world size or ZeRO stage: through the universal layout (``_universal_dir``), loaded by DeepSpeed
-    on ZeRO-1/2, by ds_clip on ZeRO-3 and ZeRO-0 (DeepSpeed 0.19.8 loads universal checkpoints on ZeRO-1/2 only)."""
+    on ZeRO-1/2, by ds_clip on ZeRO-3 and ZeRO-0 (DeepSpeed 0.19.8 loads universal checkpoints on ZeRO-1/2 only).
+    Every saved state must find its home in this engine first (``check_homes``)."""
     universal = _universal_dir(path, meta, run_dir, flag)
     try:
+        check_homes(engine, universal / "zero", flag)
         if stage in (1, 2):
-            # DeepSpeed's own universal load is exact for ZeRO-1/2 (tested); the engine reads this switch at load.
+            # DeepSpeed's own universal load is exact for ZeRO-1/2 (tested) and reads every <key>.pt of a
+            # parameter's folder, the loss scaler from optimizer_state.pt; the engine reads this switch at load.
             config = engine._config
             saved, config.load_universal_checkpoint = config.load_universal_checkpoint, True
             try:
@@ -350,12 +319,15 @@ def _load_other_shape(engine, path: Path, meta: dict[str, Any], stage: int, flag
                 config.load_universal_checkpoint = saved
             if load_path is None:
                 raise CheckpointError(f"{flag}: DeepSpeed found no checkpoint in {universal}")
+            if stage == 2:
+                _muon_whole_momentum(engine, universal / "zero")
             _load_common(engine, path, buffers_only=True)  # a universal load leaves the module's buffers
         else:
             if stage == 3:
                 _load_resharded(engine, universal / "zero")
             else:
                 _load_unpartitioned(engine, universal / "zero")
+            _load_loss_scaler(engine, universal / "zero")
             _load_common(engine, path)
     finally:
         # The converted copy (full fp32 weights and moments) is only a means of loading: drop it once all
@@ -380,16 +352,28 @@ def _drop_universal_pointer(out: Path) -> None:
             pointer.unlink()
 
 
+def _muon_whole_momentum(engine, zero_dir: Path) -> None:
+    """ZeRO-2 with Muon: DeepSpeed keeps a Muon group's momentum as the whole momentum of every matrix that touches
+    this rank's partition, one after the other (Newton-Schulz needs whole matrices; ZeRO-1 keeps the partition's
+    slice), so its universal load (partition slices) leaves a buffer of the wrong size: build it that way."""
+    opt = engine.optimizer
+    if type(_inner(opt)).__name__ != "MuonWithAuxAdam":
+        return
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    for g, params in enumerate(opt.params_in_partition):
+        if not params or not all(getattr(p, "use_muon", False) for p in params):
+            continue
+        flat = opt.single_partition_of_fp32_groups[g]
+        whole = torch.cat([_full(zero_dir / names[id(p)] / "momentum_buffer.pt").flatten() for p in params])
+        opt.optimizer.state[flat]["momentum_buffer"] = whole.to(device=flat.device, dtype=flat.dtype)
+
+
 def _load_common(engine, path: Path, *, buffers_only: bool = False) -> None:
     """What is not per parameter: LR scheduler, engine counters, module buffers (BatchNorm statistics)."""
     files = sorted(path.glob("*mp_rank_00_model_states.pt"))
     state = safe_load(files[0])
     if not buffers_only and engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
-        sched = engine.lr_scheduler
-        sched.load_state_dict(state["lr_scheduler"])
-        # A scheduler writes the learning rate into the optimizer only when it steps: do it for the saved one.
-        for group, lr in zip(engine.optimizer.param_groups, sched.get_last_lr()):
-            group["lr"] = lr
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     if not buffers_only:
         engine.global_steps = state.get("global_steps", engine.global_steps)
         engine.global_samples = state.get("global_samples", engine.global_samples)
@@ -400,29 +384,115 @@ def _load_common(engine, path: Path, *, buffers_only: bool = False) -> None:
                 buf.copy_(module_state[name].to(buf.dtype).view_as(buf))
 
 
+def apply_schedule(engine) -> None:
+    """Every group's lr as the restored schedule gives it for the next step, written into the optimizer.
+
+    A scheduler writes the lr into the groups only when it steps. torch's schedulers save their last lr
+    (``_last_lr``); DeepSpeed's (WarmupLR, WarmupDecayLR, WarmupCosineLR: the JSON's scheduler block) save only
+    ``last_batch_iteration``, and their ``get_last_lr()`` keeps the construction value (0 for a warm-up from 0)
+    until the next step: computed here from the restored position, as their own ``step()`` would."""
+    sched = engine.lr_scheduler
+    if sched is None:
+        return
+    if hasattr(sched, "last_batch_iteration") and sched.last_batch_iteration >= 0:
+        sched._last_lr = list(sched.get_lr())
+    for group, lr in zip(engine.optimizer.param_groups, sched.get_last_lr(), strict=True):
+        group["lr"] = lr
+
+
 def _full(file: Path) -> torch.Tensor:
     t = safe_load(file)
     return (t["param"] if isinstance(t, dict) else t).float()
 
 
-def _universal_step(zero_dir: Path) -> Any:
-    """The optimizer's step count in a universal checkpoint: per parameter (``step.pt``, ZeRO-1/2 and ZeRO-0
-    sources) or in ``optimizer_state.pt`` (ZeRO-3 sources). The same for every parameter (Adam's bias
-    correction)."""
-    for f in sorted(zero_dir.glob("*/step.pt")):
-        s = safe_load(f)
-        return s["param"] if isinstance(s, dict) else s
-    if (zero_dir / "optimizer_state.pt").exists():
-        common = safe_load(zero_dir / "optimizer_state.pt")
-        states = common.get("optimizer_state_dict", {}).get("state", {})
-        step = next((st["step"] for st in states.values() if "step" in st), None)
-        if step is not None:
-            return step
-    raise CheckpointError(f"universal checkpoint {zero_dir} records no optimizer step count")
+def _saved_step(folder: Path) -> Any:
+    """The optimizer's step count of one parameter in a universal checkpoint (None: its group counts none)."""
+    f = folder / "step.pt"
+    if not f.exists():
+        return None
+    s = safe_load(f)
+    return s["param"] if isinstance(s, dict) else s
+
+
+def _step_like(base, value: Any, device) -> Any:
+    """A saved step count in the form ``base`` keeps it: torch's optimizers a float32 tensor by the parameter,
+    DeepSpeed's (Muon's AdamW, CPU Adam) a number."""
+    if type(base).__module__.startswith("torch.optim"):
+        return torch.tensor(float(value), dtype=torch.float32, device=device)
+    return value.item() if torch.is_tensor(value) else value
+
+
+def _saved_keys(folder: Path) -> set[str]:
+    return {f.stem for f in folder.glob("*.pt")} - {"fp32"}
+
+
+def _inner(opt):
+    """The torch (or DeepSpeed) optimizer that holds the state, inside DeepSpeed's ZeRO and bf16/fp16 wrappers."""
+    return getattr(opt, "optimizer", opt)
+
+
+def expected_state_keys(engine, p: torch.nn.Parameter) -> set[str] | None:
+    """The state keys the engine's optimizer keeps for parameter ``p`` once it has stepped (None: an optimizer
+    ds_clip does not know, whose keys are not checked). Its options (momentum, amsgrad) are the same in every
+    group; Muon's split is the parameter's own ``use_muon`` tag."""
+    base = _inner(engine.optimizer)
+    kind = type(base).__name__
+    group = engine.optimizer.param_groups[0]
+    adam = {"exp_avg", "exp_avg_sq", "step"}
+    if kind in ("AdamW", "Adam", "DeepSpeedCPUAdam", "FusedAdam"):
+        return adam | ({"max_exp_avg_sq"} if group.get("amsgrad") else set())
+    if kind == "SGD":
+        return {"momentum_buffer"} if group.get("momentum") else set()
+    if kind == "MuonWithAuxAdam":
+        return {"momentum_buffer"} if getattr(p, "use_muon", False) else adam
+    return None
+
+
+def check_homes(engine, zero_dir: Path, flag: str) -> None:
+    """Refuse, in one line, a move in which a saved state has no home in this engine, or a state this engine's
+    optimizer keeps is missing from the checkpoint (it would restart from zero): never a silent reset. The fp16
+    dynamic loss scale too: saved under fp16, it has no home in a bf16 or fp32 engine."""
+    common = safe_load(zero_dir / "optimizer_state.pt")
+    scaler = common.get("loss_scaler")
+    if getattr(scaler, "dynamic", False) and not engine.fp16_enabled():
+        raise CheckpointError(
+            f"{flag}: the checkpoint trained with fp16 and carries its dynamic loss scale ({scaler.cur_scale:g}), "
+            "which has no home in this run's precision; resume with --precision fp16, or export it and fine-tune "
+            "with --pretrained"
+        )
+    kind = type(_inner(engine.optimizer)).__name__
+    for name, p in engine.module.named_parameters():
+        want = expected_state_keys(engine, p)
+        if want is None:
+            return
+        if not p.requires_grad:
+            continue
+        have = _saved_keys(zero_dir / name)
+        extra, missing = sorted(have - want), sorted(want - have)
+        if extra:
+            raise CheckpointError(
+                f"{flag}: the checkpoint's optimizer state {', '.join(extra)} of {name} has no home in this run's "
+                f"{kind} (it keeps {', '.join(sorted(want)) or 'no state'} there); resume with the optimizer it "
+                "was saved with"
+            )
+        if missing:
+            raise CheckpointError(
+                f"{flag}: this run's {kind} keeps {', '.join(missing)} for {name}, which the checkpoint does not "
+                "hold: it would restart from zero; resume with the optimizer it was saved with"
+            )
+
+
+def _load_loss_scaler(engine, zero_dir: Path) -> None:
+    """ZeRO-0 and ZeRO-3 (DeepSpeed's ZeRO-1/2 universal load does it itself): the saved fp16 loss scaler."""
+    common = safe_load(zero_dir / "optimizer_state.pt")
+    scaler = common.get("loss_scaler")
+    if scaler is not None and engine.fp16_enabled() and hasattr(engine.optimizer, "loss_scaler"):
+        engine.optimizer.loss_scaler = scaler
+        engine.optimizer.dynamic_loss_scale = common.get("dynamic_loss_scale", scaler.dynamic)
 
 
 def _load_unpartitioned(engine, zero_dir: Path) -> None:
-    """ZeRO-0: full per-parameter fp32 weights and optimizer states (the universal layout) into the torch
+    """ZeRO-0: full per-parameter fp32 weights and every optimizer state (the universal layout) into the torch
     optimizer's state and the module; with bf16/fp16, into the wrapper's fp32 masters and the working copies."""
     opt = engine.optimizer
     working = getattr(opt, "fp16_groups", None)
@@ -432,8 +502,6 @@ def _load_unpartitioned(engine, zero_dir: Path) -> None:
         working = masters = [g["params"] for g in opt.param_groups]
     names = {id(p): n for n, p in engine.module.named_parameters()}
     common = safe_load(zero_dir / "optimizer_state.pt")
-    # SGD without momentum keeps no state at all, hence no step.
-    step = _universal_step(zero_dir) if any(zero_dir.glob("*/exp_avg*.pt")) else None
     for g, (lp_group, hp_group) in enumerate(zip(working, masters, strict=True)):
         for lp, hp in zip(lp_group, hp_group, strict=True):
             folder = zero_dir / names[id(lp)]
@@ -449,8 +517,9 @@ def _load_unpartitioned(engine, zero_dir: Path) -> None:
             for f in folder.glob("*.pt"):
                 if f.stem not in ("fp32", "step"):
                     state[f.stem] = _full(f).view_as(hp).to(device=hp.device, dtype=hp.dtype).clone()
-            if state and step is not None:  # torch's optimizers keep it as a float32 tensor by the parameter
-                state["step"] = torch.tensor(float(step), dtype=torch.float32, device=hp.device)
+            step = _saved_step(folder)
+            if step is not None:
+                state["step"] = _step_like(base, step, hp.device)
         saved_group = common["param_groups"][g] if g < len(common.get("param_groups", [])) else {}
         for key, value in saved_group.items():
             if key in base.param_groups[g] and key != "params":
@@ -458,45 +527,80 @@ def _load_unpartitioned(engine, zero_dir: Path) -> None:
 
 
 def _load_resharded(engine, zero_dir: Path) -> None:
-    """ZeRO-3: write full per-parameter fp32 weights and Adam moments (DeepSpeed's universal layout,
-    zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt) into this rank's partitions and working shards."""
+    """ZeRO-3: write full per-parameter fp32 weights and every optimizer state the checkpoint holds (DeepSpeed's
+    universal layout, zero/<name>/{fp32,<key>...,step}.pt) into this rank's partitions and working shards."""
     opt = engine.optimizer
     if not hasattr(opt, "_get_fp32_opt_state_partition"):
         raise CheckpointError(f"resharding into a {type(opt).__name__} optimizer is not supported")
-    # Adam creates its state at the first step; a resumed engine has not stepped yet: create it empty.
-    for flat in opt.fp32_partitioned_groups_flat:
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    # The optimizer creates its state at the first step; a resumed engine has not stepped yet: create each
+    # sub-group's flat state for the keys its parameters saved, and its step count.
+    for i, flat in enumerate(opt.fp32_partitioned_groups_flat):
+        folders = [zero_dir / names[id(p)] for p in opt.fp16_groups[i] if id(p) in names]
+        keys = set().union(*(_saved_keys(f) for f in folders)) - {"step"}
         state = opt.optimizer.state[flat]
-        if not state:
-            state.update(
-                step=torch.tensor(0.0), exp_avg=torch.zeros_like(flat), exp_avg_sq=torch.zeros_like(flat)
-            )
+        for key in sorted(keys):
+            if key not in state or state[key].numel() != flat.numel():
+                state[key] = torch.zeros_like(flat)
+        step = next((s for s in map(_saved_step, folders) if s is not None), None)
+        if step is not None:
+            state["step"] = _step_like(opt.optimizer, step, flat.device)
     for name, p in engine.module.named_parameters():
         folder = zero_dir / name
         if not (folder / "fp32.pt").exists():
             raise CheckpointError(f"universal checkpoint {zero_dir} has no state for parameter {name}")
         rank = opt._get_param_partition_rank(p)
-        for key in ("fp32", "exp_avg", "exp_avg_sq"):
-            f = folder / f"{key}.pt"
-            if not f.exists():
+        for f in sorted(folder.glob("*.pt")):
+            key = f.stem
+            if key == "step" or (key != "fp32" and not p.requires_grad):
                 continue
-            t = safe_load(f)
-            value = (t["param"] if isinstance(t, dict) else t).float().flatten()
+            value = _full(f).flatten()
+            if key == "fp32":
+                _copy_slice(p.ds_tensor.data, value, rank)
+                if not p.requires_grad:
+                    continue
             # This rank holds elements [rank*part, (rank+1)*part) of the zero-padded flat parameter.
             part, _ = opt._get_fp32_opt_state_partition(
                 p, release_swap_buffers=False, optim_state_key=None if key == "fp32" else key
             )
             _copy_slice(part.data, value, rank)
-            if key == "fp32":
-                _copy_slice(p.ds_tensor.data, value, rank)
-    step_value = _universal_step(zero_dir)
-    # Adam's step count (bias correction) is kept per flat partition; the same for every parameter.
-    for st in opt.optimizer.state.values():
-        if "step" in st:
-            st["step"] = (
-                torch.full_like(st["step"], float(step_value))
-                if torch.is_tensor(st["step"])
-                else type(st["step"])(step_value)
-            )
+
+
+def restored_summary(engine) -> dict[str, Any]:
+    """What the engine holds right after a load, as the next step reads it (no collective: this rank's part):
+    the optimizer's state keys per group, its step counts, every group's lr, the fp16 loss scale, the scheduler
+    and its position."""
+    opt = engine.optimizer
+    base = _inner(opt)
+    # Each group's flat state tensors: ZeRO-3 puts a sub-group's flat partition into its group only while it
+    # steps it (sub_group_to_group_id says whose it is); ZeRO-0-2 keep them in the group.
+    flats: list[list] = [list(g["params"]) for g in base.param_groups]
+    if hasattr(opt, "fp32_partitioned_groups_flat") and hasattr(opt, "sub_group_to_group_id"):
+        flats = [[] for _ in base.param_groups]
+        for i, flat in enumerate(opt.fp32_partitioned_groups_flat):
+            flats[opt.sub_group_to_group_id[i]].append(flat)
+    keys, steps = [], set()
+    for params in flats:
+        held: set[str] = set()
+        for p in params:
+            st = base.state.get(p, {})
+            held |= set(st)
+            if "step" in st:
+                steps.add(int(float(st["step"])))
+        keys.append(sorted(held))
+    scaler = getattr(opt, "loss_scaler", None)
+    sched = engine.lr_scheduler
+    position = getattr(sched, "last_batch_iteration", getattr(sched, "last_epoch", None))
+    precision = "fp16" if engine.fp16_enabled() else "bf16" if engine.bfloat16_enabled() else "fp32"
+    return {
+        "stage": int(engine.zero_optimization_stage()),
+        "precision": precision,
+        "state_keys": keys,
+        "steps": sorted(steps),
+        "lr": [float(g["lr"]) for g in opt.param_groups],
+        "loss_scale": float(scaler.cur_scale) if engine.fp16_enabled() and scaler is not None else None,
+        "scheduler": None if sched is None else (type(sched).__name__, position),
+    }
 
 
 def _copy_slice(dst: torch.Tensor, full: torch.Tensor, rank: int) -> None:
