@@ -20,14 +20,16 @@ and parameter shapes, resolved settings), ``manifest.json`` and the ``COMPLETE``
 
 Resume on another world size (or ZeRO stage) keeps the global batch N = W*k*m (--global-batch-size re-derives
 k; with --accum-freq, change it):
-ZeRO-0 fp32 keeps its whole optimizer state in one file and loads natively; ZeRO-1/2 go through
-DeepSpeed's universal checkpoint (``deepspeed.checkpoint.ds_to_universal``, written next to the
-new run's checkpoints); ZeRO-3 takes the same universal per-parameter files, written into this
-rank's partitions by ``_load_resharded`` (DeepSpeed 0.19.8's own ZeRO-3 universal load is off by
-~10% of a step on CPU, measured; see docs/checkpoints.md).
+ZeRO-0 fp32 keeps its whole optimizer state in one file and loads natively; any other move goes through
+DeepSpeed's universal checkpoint layout (written next to the new run's checkpoints by ``universal`` from ZeRO
+1-3, every optimizer state key; by ``load._stage0_to_universal`` from ZeRO-0), loaded by DeepSpeed on ZeRO-1/2
+and by ds_clip on ZeRO-3 (``_load_resharded``: DeepSpeed 0.19.8's own ZeRO-3 universal load is off by ~10% of
+a step on CPU, measured; see docs/checkpoints.md) and ZeRO-0. A saved state with no home in the new engine is
+refused (``load.check_homes``); the resume logs one line of what it restored (``cadence.describe_resume``).
 
 The package, by job: ``layout`` (names, tags, errors) → ``rng`` → ``manifest`` (sizes and checksums) → ``save``
-→ ``find`` (what ``--resume`` names, complete and intact) → ``load`` (checks and the load) → ``cadence``
+→ ``find`` (what ``--resume`` names, complete and intact) → ``universal`` (a ZeRO 1-3 checkpoint in the universal
+layout) → ``load`` (checks and the load) → ``cadence``
 (``Checkpointer``: when the trainer saves, and its resume). ``ds_clip.checkpoint`` names what the trainer, the
 export, the evaluation and users need (below); every other name is imported from its module
 (``ds_clip.checkpoint.save``, ``.find``, ``.load``, ``.manifest``, ``.rng``, ``.layout``, ``.cadence``).
