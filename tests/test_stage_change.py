@@ -20,6 +20,7 @@ import torch
 
 from ds_clip import checkpoint as ck
 from ds_clip.checkpoint.layout import UNIVERSAL_PREFIX
+from ds_clip_harness.cases import fp16_supported
 from ds_clip_harness.groups import spawn_group
 from ds_clip_harness.models import E2E_MODEL
 
@@ -129,10 +130,15 @@ def _train_watched(argv: list[str]) -> dict:
 
 
 def _matrix_saved(model: str, logs: Path) -> dict:
-    """On 1 rank, each case's straight run under its saved stage: 4 steps, saved at step 2."""
-    return {
+    """On 1 rank, each case's straight run under its saved stage: 4 steps, saved at step 2; and an fp16 run on
+    ZeRO-1 (where the CPU runs fp16), whose loss scale has dropped from its start by then (the first steps
+    overflow on a CPU and are skipped)."""
+    out = {
         case: _train_watched(_matrix_args(model, logs, _name(case, "src"), case, case[1])) for case in MATRIX
     }
+    if fp16_supported():
+        out["fp16"] = _train_watched(_args(model, logs, "fp16_z1", "fp16", 1))
+    return out
 
 
 def _matrix_resumed(model: str, logs: Path) -> dict:
@@ -143,6 +149,14 @@ def _matrix_resumed(model: str, logs: Path) -> dict:
         out[case] = _train_watched(
             _matrix_args(model, logs, _name(case, "res"), case, case[2], "--resume", str(ckpt))
         )
+    if fp16_supported():
+        ckpt = str(logs / "fp16_z1" / "checkpoints" / ck.tag_for(SAVE_AT))
+        out["fp16"] = _train_watched(_args(model, logs, "fp16_z1_to_z3", "fp16", 3, "--resume", ckpt))
+        try:
+            _train(_args(model, logs, "fp16_z1_to_bf16", "bf16", 2, "--resume", ckpt))
+            out["bf16"] = None
+        except ck.CheckpointError as exc:
+            out["bf16"] = str(exc)
     return out
 
 
@@ -357,3 +371,29 @@ def test_a_resume_onto_another_stage_and_world_size_is_the_straight_run(runs, ca
     assert ("optimizer step none counted" if case[0] == "sgd" else f"optimizer step {SAVE_AT}") in line, line
     if case[3] != "flags":
         assert f"scheduler {case[3]} at {SAVE_AT - 1}" in line, line
+
+
+@pytest.mark.skipif(
+    not fp16_supported(), reason="this CPU runs no fp16 (DeepSpeed's CPU accelerator needs AVX512-FP16)"
+)
+def test_the_fp16_loss_scale_moves_with_the_checkpoint_or_the_resume_is_refused(runs):
+    """fp16 saved on ZeRO-1 (1 rank), resumed on ZeRO-3 (2 ranks): the dynamic loss scale is the saved one (not the
+    start value a new engine has) and the steps after the move train at the straight run's lr; resumed in bf16, the
+    scale has no home and the resume is refused in one line naming it."""
+    saved = ck.safe_load(
+        runs["logs"]
+        / "fp16_z1"
+        / "checkpoints"
+        / ck.tag_for(SAVE_AT)
+        / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    )["optimizer_state_dict"]["loss_scaler"]
+    resumed = runs["resumed"]["fp16"]
+    (line,) = resumed["resumed"]
+    assert (
+        "(W 1 ZeRO-1 fp16 -> W 2 ZeRO-3 fp16, resharded)" in line
+        and f"loss scale {saved.cur_scale:g}," in line
+    )
+    assert saved.cur_scale < 2**16, saved.cur_scale  # it moved from the start value, so carrying it is seen
+    assert resumed["lrs"] == runs["straight"]["fp16"]["lrs"][-len(resumed["lrs"]) :]
+    refusal = runs["resumed"]["bf16"]
+    assert refusal is not None and "dynamic loss scale" in refusal and "--precision fp16" in refusal, refusal

@@ -33,8 +33,13 @@ def _load(path: Path) -> Any:
 
 
 def _rank_files(path: Path, kind: str) -> list[Path]:
-    """``zero_pp_rank_R_mp_rank_00_<kind>.pt`` in rank order."""
-    files = sorted(path.glob(f"zero_pp_rank_*_mp_rank_00_{kind}.pt"), key=lambda f: int(f.name.split("_")[3]))
+    """``[bf16_]zero_pp_rank_R_mp_rank_00_<kind>.pt`` in rank order (DeepSpeed's bf16 optimizer adds the prefix)."""
+    import re
+
+    files = sorted(
+        path.glob(f"*zero_pp_rank_*_mp_rank_00_{kind}.pt"),
+        key=lambda f: int(re.search(r"zero_pp_rank_(\d+)_", f.name).group(1)),
+    )
     if not files:
         raise FileNotFoundError(f"no zero_pp_rank_*_mp_rank_00_{kind}.pt in {path}")
     return files
