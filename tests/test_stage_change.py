@@ -361,7 +361,9 @@ def test_a_resume_onto_another_stage_and_world_size_is_the_straight_run(runs, ca
         "sgd": "[momentum_buffer | momentum_buffer]",
         "adamw": "[exp_avg,exp_avg_sq,step | exp_avg,exp_avg_sq,step]",
     }
-    assert f"(W 1 ZeRO-{case[1]} fp32 -> W 2 ZeRO-{case[2]} fp32, resharded)" in line, line
+    assert (
+        f"(W 1 ZeRO-{case[1]} fp32 -> W 2 ZeRO-{case[2]} fp32, on a new world size / ZeRO stage)" in line
+    ), line
     assert f"lr per group next step [{lrs}]" in line and "loss scale none" in line, line
     assert f"data epoch 0 step {SAVE_AT} in epoch" in line and "EMA none" in line, line
     if case[0] == "muon":
@@ -390,7 +392,7 @@ def test_the_fp16_loss_scale_moves_with_the_checkpoint_or_the_resume_is_refused(
     resumed = runs["resumed"]["fp16"]
     (line,) = resumed["resumed"]
     assert (
-        "(W 1 ZeRO-1 fp16 -> W 2 ZeRO-3 fp16, resharded)" in line
+        "(W 1 ZeRO-1 fp16 -> W 2 ZeRO-3 fp16, on a new world size / ZeRO stage)" in line
         and f"loss scale {saved.cur_scale:g}," in line
     )
     assert saved.cur_scale < 2**16, saved.cur_scale  # it moved from the start value, so carrying it is seen

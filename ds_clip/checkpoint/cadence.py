@@ -40,7 +40,7 @@ def describe_resume(state: dict[str, Any], data, *, ema: bool | None) -> str:
     scale = "none" if r["loss_scale"] is None else f"{r['loss_scale']:g}"
     return (
         f"resumed from {state['path']} at step {state['step']} ({there} {meta.get('precision', '?')} -> {here}"
-        f"{', resharded' if state['resharded'] else ''}): optimizer state per group [{keys}], optimizer step "
+        f"{', on a new world size / ZeRO stage' if state['resharded'] else ''}): optimizer state per group [{keys}], optimizer step "
         f"{steps}, lr per group next step [{lrs}], loss scale {scale}, scheduler {sched}, data epoch "
         f"{data.epoch} step {data.step_in_epoch} in epoch ({state.get('samples_seen')} samples), RNG of saved rank "
         f"{state['rng_from']}, EMA {'none' if ema is None else 'restored' if ema else 'not in the checkpoint'}"
