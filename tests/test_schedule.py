@@ -294,7 +294,7 @@ def test_a_json_scheduler_logs_the_lr_each_step_trained_at(resumed_runs, kind):
 def test_a_resume_trains_its_first_step_at_the_rebuilt_schedule():
     """A checkpoint holds the LR its own schedule set for the next step; resumed with a longer run (the schedule
     rebuilt from the new flags, as open_clip does), the first resumed step trains at the new schedule's LR."""
-    from ds_clip.training.schedule import realign_after_resume
+    from ds_clip.checkpoint.load import schedule_next_lr
 
     def built(total: int):
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=BASE_LR)
@@ -309,7 +309,7 @@ def test_a_resume_trains_its_first_step_at_the_rebuilt_schedule():
     opt, sched = built(3)
     opt.load_state_dict(saved_opt)
     sched.load_state_dict(saved_sched)
-    assert realign_after_resume(sched)
+    schedule_next_lr(sched, opt.param_groups)  # what every resume runs after the load (checkpoint.load)
     want = BASE_LR * cosine_with_warmup(2, warmup=1, total=3)
     assert opt.param_groups[0]["lr"] == pytest.approx(want) == pytest.approx(BASE_LR / 2)
     assert sched.get_last_lr() == pytest.approx([want])

@@ -385,18 +385,29 @@ def _load_common(engine, path: Path, *, buffers_only: bool = False) -> None:
 
 
 def apply_schedule(engine) -> None:
-    """Every group's lr as the restored schedule gives it for the next step, written into the optimizer.
+    """Every group's lr as the restored schedule gives it for the next step, written into the optimizer."""
+    schedule_next_lr(engine.lr_scheduler, engine.optimizer.param_groups)
 
-    A scheduler writes the lr into the groups only when it steps. torch's schedulers save their last lr
-    (``_last_lr``); DeepSpeed's (WarmupLR, WarmupDecayLR, WarmupCosineLR: the JSON's scheduler block) save only
-    ``last_batch_iteration``, and their ``get_last_lr()`` keeps the construction value (0 for a warm-up from 0)
-    until the next step: computed here from the restored position, as their own ``step()`` would."""
-    sched = engine.lr_scheduler
+
+def schedule_next_lr(sched, param_groups: list[dict[str, Any]]) -> None:
+    """After a load: each group's lr is the schedule's lr at the restored position, which the next step trains at.
+
+    A scheduler writes the lr into the groups only when it steps, and a checkpoint restores the lr its own run set:
+    - ds_clip's schedule (``--lr-scheduler``: a ``LambdaLR``) is rebuilt from this launch's flags (--epochs,
+      --max-steps, --warmup may change on a resume, as in open_clip): its closed form at the loaded step, or the
+      first resumed step would train at the old schedule's lr and only the steps after it at the new one;
+    - DeepSpeed's (WarmupLR, WarmupDecayLR, WarmupCosineLR: the JSON's scheduler block) save only
+      ``last_batch_iteration``, and their ``get_last_lr()`` keeps the construction value (0 for a warm-up from 0)
+      until the next step: computed from the restored position, as their own ``step()`` would."""
     if sched is None:
         return
-    if hasattr(sched, "last_batch_iteration") and sched.last_batch_iteration >= 0:
+    if isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
+        sched._last_lr = [
+            base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)
+        ]
+    elif hasattr(sched, "last_batch_iteration") and sched.last_batch_iteration >= 0:
         sched._last_lr = list(sched.get_lr())
-    for group, lr in zip(engine.optimizer.param_groups, sched.get_last_lr(), strict=True):
+    for group, lr in zip(param_groups, sched.get_last_lr(), strict=True):
         group["lr"] = lr
 
 

@@ -163,21 +163,3 @@ def build_scheduler(optimizer: torch.optim.Optimizer, schedule: Schedule):
     # A plain function (not a bound method or callable object): LambdaLR then keeps it out of its
     # state_dict, so a checkpoint holds the step count alone and a resume follows the flags' schedule.
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule.multiplier(step))
-
-
-def realign_after_resume(scheduler) -> bool:
-    """After a resume: every group's LR in the optimizer becomes this launch's schedule at the loaded step.
-
-    A checkpoint restores the LR its own run's schedule had set for the next step (in the optimizer's param groups
-    and the scheduler's ``_last_lr``), while the schedule itself is rebuilt from this launch's flags (--epochs,
-    --max-steps, --warmup may change on a resume, as in open_clip): without this, the first resumed step would
-    train at the old schedule's LR and only the steps after it at the new one. Only ds_clip's own schedule (a
-    ``LambdaLR`` from ``build_scheduler``); returns whether it was one."""
-    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
-        return False
-    step = scheduler.last_epoch
-    lrs = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
-    for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
-        group["lr"] = lr
-    scheduler._last_lr = lrs  # what get_last_lr() answers, as after a step
-    return True

@@ -48,7 +48,7 @@ from ds_clip.training import faults, remote
 from ds_clip.training.engine import build_model_bundle, resolve_run
 from ds_clip.training.metrics import MetricsWriter, StepMeter
 from ds_clip.training.preemption import StopRequest
-from ds_clip.training.schedule import RunLength, realign_after_resume, warmup_warning
+from ds_clip.training.schedule import RunLength, warmup_warning
 from ds_clip.training.wiring import build_step
 from ds_clip.versions import versions_line
 
@@ -194,9 +194,6 @@ class Trainer:
         )
         if info.is_main and resuming and self.start_step < self.total_steps:
             self._record_launch(self.run_step.built.ds_config if ds.start_keys else None)
-        if start.checkpoint is not None:
-            # The first resumed step trains at this launch's schedule, as the steps after it do.
-            realign_after_resume(self.engine.lr_scheduler)
         resumed = self.checkpointer.resumed_from
         if self.ema is None and resumed is not None and ema.rank_files(resumed) and info.is_main:
             logger.warning("%s holds a weight EMA; this run has no --ema-decay and does not keep it", resumed)
