@@ -22,7 +22,6 @@ shape back, and the result is loaded strictly into a fresh open_clip model befor
 from __future__ import annotations
 
 import json
-import logging
 import shlex
 import sys
 from pathlib import Path
@@ -34,6 +33,7 @@ from ds_clip.config import Parser, add_flags
 from ds_clip.errors import UserError
 from ds_clip.export import hf_clip
 from ds_clip.export.model_card import hub_upload_command, write_card
+from ds_clip.models.model import without_random_init_warnings
 from ds_clip.models.weights import WEIGHTS_FILE, resolve_pretrained  # noqa: F401 - the import path users rely on
 from ds_clip.step.ema import full_state_from_files
 
@@ -82,23 +82,8 @@ def build_open_clip_model(model_cfg: dict, preprocess_cfg: dict | None = None):
         )
         # The weights are loaded right after, from the checkpoint: open_clip's warnings that this model is
         # "initialized randomly" (no weights in the folder) would tell the user of a correct export the opposite.
-        root = logging.getLogger()
-        root.addFilter(_no_random_init_warning)
-        try:
+        with without_random_init_warnings():
             return open_clip.create_model(f"local-dir:{tmp}")
-        finally:
-            root.removeFilter(_no_random_init_warning)
-
-
-# open_clip's two warnings about an empty local-dir: folder, true of the scratch folder, false of the export.
-_RANDOM_INIT_WARNINGS = (
-    "No pretrained weights loaded for model",
-    "Local config loaded, but no CLIP weights found",
-)
-
-
-def _no_random_init_warning(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith(_RANDOM_INIT_WARNINGS)
 
 
 def to_open_clip(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
