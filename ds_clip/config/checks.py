@@ -6,6 +6,8 @@ the flag (its option as the field defines it, `flag_named`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib.util
 from pathlib import Path
 from typing import Any
@@ -256,6 +258,63 @@ def check_loss(loss: LossSettings) -> None:
         "--local-loss without --gather-with-grad does not give the full-batch gradient (each rank would "
         "drop the other ranks' terms): add --gather-with-grad",
     )
+
+
+def check_siglip2(s) -> None:
+    """--siglip2: every term of the objective trains, or the run is refused naming the flag that would drop one."""
+    loss = s.loss
+    if not loss.siglip2:
+        changed = [
+            f.name for f in dataclasses.fields(loss)
+            if f.name.startswith("siglip2_") and getattr(loss, f.name) != f.default
+        ]  # fmt: skip
+        need(not changed, f"{', '.join(flag_named(n).option for n in changed)} set without --siglip2: add --siglip2")
+        return
+    need(
+        0 <= loss.siglip2_selfsup_start < 1,
+        "--siglip2-selfsup-start must be in [0, 1) (the fraction of the run's steps after which self-distillation "
+        f"and masked prediction train); {loss.siglip2_selfsup_start} would drop them",
+    )
+    for name in ("siglip2_locca_weight", "siglip2_silc_weight", "siglip2_tips_weight"):
+        value = getattr(loss, name)
+        need(
+            value is None or value > 0,
+            f"{flag_named(name).option} must be above 0 under --siglip2 (0 drops that term of SigLIP 2's objective; "
+            f"train without --siglip2 for the sigmoid loss alone), got {value}",
+        )
+    check_min("siglip2_local_views", loss.siglip2_local_views, 1)
+    check_min("siglip2_prototypes", loss.siglip2_prototypes, 1)
+    check_min("siglip2_patch_prototypes", loss.siglip2_patch_prototypes, 1)
+    check_min("siglip2_decoder_layers", loss.siglip2_decoder_layers, 1, optional=True)
+    for name in ("siglip2_parallel_fraction",):
+        value = getattr(loss, name)
+        need(0 <= value <= 1, f"{flag_named(name).option} must be in [0, 1], got {value}")
+    need(
+        0 < loss.siglip2_mask_ratio < 1,
+        f"--siglip2-mask-ratio must be in (0, 1) (0 drops masked prediction), got {loss.siglip2_mask_ratio}",
+    )
+    need(
+        0 < loss.siglip2_teacher_momentum < 1,
+        f"--siglip2-teacher-momentum must be in (0, 1), got {loss.siglip2_teacher_momentum}",
+    )
+    check_min("siglip2_teacher_temp", loss.siglip2_teacher_temp, 0, strict=True)
+    check_min("siglip2_student_temp", loss.siglip2_student_temp, 0, strict=True)
+    m = s.model
+    for flag, on in (
+        ("--lock-image", m.lock_image),
+        ("--distill-model", m.distill_model is not None),
+    ):
+        need(
+            not on,
+            f"--siglip2 with {flag}: "
+            + (
+                "the image tower is the student of self-distillation and masked prediction and the decoder's "
+                "encoder; a locked one drops those terms"
+                if flag == "--lock-image"
+                else "SigLIP 2's teacher is the EMA of the image tower; a second, external teacher is not part "
+                "of its objective"
+            ),
+        )
 
 
 def check_dist(dist: DistSettings) -> None:

@@ -173,6 +173,8 @@ def parse_settings(argv: list[str] | None = None) -> TrainSettings:
     if values["precision"] is None:  # neither the flag nor the JSON's enabled precision section
         values["precision"] = "fp32"
     values["precision"] = deepspeed_precision(values["precision"])  # open_clip's names -> DeepSpeed's
+    if values["siglip2"]:
+        values["siglip"] = True  # SigLIP 2's objective is the sigmoid loss plus its other terms
     if values["delete_previous_checkpoint"] and values["keep_checkpoints"] is None:
         values["keep_checkpoints"] = 1  # open_clip's flag for --keep-checkpoints 1
     if (

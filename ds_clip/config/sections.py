@@ -337,6 +337,47 @@ class LossSettings:
     )
     """CoCa models: weight of the captioning cross-entropy, a mean over the non-pad tokens of the whole
     global batch (all ranks and micro-batches), so W x k x m trains like one process holding all N captions."""
+    siglip2: bool = opt(False, open_clip="ds_clip only")
+    """SigLIP 2's objective (docs/siglip2.md): the sigmoid loss (implies --siglip) plus a LocCa caption decoder
+    over the image tower's tokens and, from --siglip2-selfsup-start on, SILC self-distillation and TIPS masked
+    prediction against an EMA teacher of the image tower. A SigLIP model (one with a logit_bias)."""
+    siglip2_selfsup_start: float = opt(0.8, metavar="FRACTION", unit="of the run's steps", open_clip="ds_clip only")
+    """--siglip2: the fraction of the run's optimizer steps after which self-distillation and masked prediction
+    join (the paper's last 20%); the teacher starts as a copy of the student there."""
+    siglip2_locca_weight: float = opt(1.0, metavar="W", open_clip="ds_clip only")
+    """--siglip2: weight of the decoder's token cross-entropy (captioning, referring expressions, grounded
+    captions), a mean over the non-pad target tokens of the whole global batch."""
+    siglip2_parallel_fraction: float = opt(0.5, metavar="FRACTION", open_clip="ds_clip only")
+    """--siglip2: share of the decoder's sequences predicted in parallel (all inputs masked, no causal mask: CapPa)
+    instead of autoregressively."""
+    siglip2_decoder_layers: int | None = opt(
+        None, metavar="N", default_text="a quarter of the text tower's layers, at least 1", open_clip="ds_clip only"
+    )
+    """--siglip2: layers of the LocCa decoder (the text tower's width and heads, with cross-attention)."""
+    siglip2_silc_weight: float | None = opt(
+        None, metavar="W", default_text="1 x the model-size factor", open_clip="ds_clip only"
+    )
+    """--siglip2: weight of the local-to-global self-distillation (SILC); the paper's 1, times 0.25 / 0.5 / 1 /
+    0.5 for image towers of width 768 or less / 1024 / 1152 / 1536."""
+    siglip2_tips_weight: float | None = opt(
+        None, metavar="W", default_text="0.25 x the model-size factor", open_clip="ds_clip only"
+    )
+    """--siglip2: weight of the masked patch prediction (TIPS); the paper's 0.25, times the model-size factor."""
+    siglip2_local_views: int = opt(8, metavar="N", open_clip="ds_clip only")
+    """--siglip2: local views (crops of 5-40 % of the image area) per image that the student matches to the
+    teacher's global view (SILC's eight)."""
+    siglip2_mask_ratio: float = opt(0.5, metavar="FRACTION", open_clip="ds_clip only")
+    """--siglip2: share of the student's patch embeddings replaced by the mask token for masked prediction."""
+    siglip2_teacher_momentum: float = opt(0.996, metavar="M", open_clip="ds_clip only")
+    """--siglip2: the teacher's EMA momentum per optimizer step (fixed, as SILC keeps it)."""
+    siglip2_teacher_temp: float = opt(0.04, metavar="T", open_clip="ds_clip only")
+    """--siglip2: temperature of the teacher's softmax over the head's prototypes (after centering)."""
+    siglip2_student_temp: float = opt(0.1, metavar="T", open_clip="ds_clip only")
+    """--siglip2: temperature of the student's softmax over the head's prototypes."""
+    siglip2_prototypes: int = opt(65536, metavar="K", open_clip="ds_clip only")
+    """--siglip2: output dimension of the self-distillation head (DINO's 65536)."""
+    siglip2_patch_prototypes: int = opt(8192, metavar="K", open_clip="ds_clip only")
+    """--siglip2: output dimension of the masked-prediction (patch) head (iBOT's 8192)."""
 
 
 @dataclass

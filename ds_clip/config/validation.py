@@ -19,6 +19,7 @@ from ds_clip.config.checks import (
     check_optim,
     check_outputs,
     check_shards,
+    check_siglip2,
     need,
 )
 from ds_clip.config.flags import flag_named
@@ -44,6 +45,7 @@ def validate(s: TrainSettings) -> None:
     check_model(s.model, resuming=s.checkpoint.resume is not None)
     check_model_flags(s.model)
     check_distill(s)
+    check_siglip2(s)
     _check_resume(s.checkpoint, s.logging)
     check_final_sync_fits(s.checkpoint, s.dist.dist_timeout)
     # The DeepSpeed preset: exists, parses, and agrees with the flags (world size unknown yet).
