@@ -113,7 +113,7 @@ def _group(s: CostSettings) -> list[dict]:
     # ds-clip-train's step (ds_clip.training.wiring), and beside it the same model (same seed: the same initial
     # weights) on DeepSpeed's own accumulation: the same JSON with its managed mode (ds_clip's step engine turns
     # it off).
-    bundle = build_model_bundle(settings.model, seed=s.seed)
+    bundle = build_model_bundle(settings.model, seed=s.seed, loss=settings.loss)
     cached = build_step(settings, bundle, geometry, ds, rank=rank, total_steps=FLAT_SCHEDULE_STEPS)
     plain_json = ds.config
     plain_json["managed_gradient_accumulation"] = True

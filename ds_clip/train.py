@@ -192,7 +192,7 @@ def _print_muon_split(s: TrainSettings) -> None:
     from ds_clip.training.engine import build_model_bundle
     from ds_clip.training.optim import format_muon_split, pin_muon_tags
 
-    bundle = build_model_bundle(s.model, seed=s.data.seed, load_published=False)
+    bundle = build_model_bundle(s.model, seed=s.data.seed, load_published=False, loss=s.loss)
     print("# --opt muon: the towers' hidden matrices in Muon, the rest in AdamW")
     print(format_muon_split(*pin_muon_tags(bundle.model)))
 

@@ -49,6 +49,8 @@ class Case:
     """--ema-decay EMA_DECAY: the weight EMA kept beside the masters (it does not change the training)."""
     optimizer: str = "adamw"
     """--opt: "muon" is DeepSpeed's Muon on the towers' hidden matrices with its AdamW on the rest."""
+    siglip2: bool = False
+    """--siglip2 with its self-supervised terms from the second step on (the switch inside the run)."""
 
     @property
     def name(self) -> str:
@@ -63,6 +65,7 @@ class Case:
         extra += "-distill" if self.distill else ""
         extra += "-ema" if self.ema else ""
         extra += f"-{self.optimizer}" if self.optimizer != "adamw" else ""
+        extra += "-siglip2" if self.siglip2 else ""
         return f"{self.model}-z{self.zero_stage}-{self.precision}-{loss}{extra}"
 
 
@@ -104,6 +107,10 @@ def _matrix() -> list[Case]:
     # Muon (DeepSpeed's MuonWithAuxAdam): its gradient is the full-batch gradient under --accum-freq like every
     # optimizer's. ZeRO-0 only: under ZeRO 1-2 DeepSpeed's Muon path changes what the gradient probe reads.
     cases += [Case("vit", 0, "fp32", GLOBAL, optimizer="muon")]
+    # SigLIP 2's objective (decoder, self-distillation, masked prediction against the EMA teacher) on every stage,
+    # ZeRO-3 with activation checkpointing; the self-supervised terms join at the second of the three steps.
+    cases += [Case("vit_siglip", stage, "fp32", SIGLIP, siglip2=True) for stage in (0, 1, 2)]
+    cases += [Case("vit_siglip", 3, "fp32", SIGLIP, siglip2=True, grad_checkpointing=True)]
     return cases
 
 
@@ -127,7 +134,9 @@ def fp16_cases_run() -> bool:
 
 FP16_CASES = [Case("vit", stage, "fp16", GLOBAL) for stage in (1, 2, 3)]
 CASES = _matrix() + (FP16_CASES if fp16_cases_run() else [])
-FP32_CASES = [c for c in CASES if c.precision == "fp32"]
+# The oracle is open_clip's loss on the whole batch: SigLIP 2's other terms are proven by the (W, k) splits.
+FP32_CASES = [c for c in CASES if c.precision == "fp32" and not c.siglip2]
+SIGLIP2_CASES = [c for c in CASES if c.siglip2]
 EMA_CASES = [c for c in CASES if c.ema]
 BF16_CASES = [c for c in CASES if c.precision == "bf16"]
 
@@ -149,7 +158,8 @@ def spec_for(case: Case, models: dict[str, str], k: int) -> RunSpec:
         distill_model=models["teacher"] if case.distill else None,
         ema_decay=EMA_DECAY if case.ema else None,
         optimizer=case.optimizer,
-        capture_grads=True,
+        siglip2=case.siglip2,
+        capture_grads=not case.siglip2,
         name=case.name,
         **ADAM,
     )

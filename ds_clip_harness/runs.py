@@ -75,6 +75,9 @@ class RunSpec:
     """--ema-warmup (timm ModelEmaV3's warm-up of the decay)."""
     optimizer: str = "adamw"
     """--opt (adamw, muon, ...)."""
+    siglip2: bool = False
+    """--siglip2, its self-supervised terms from step 1 (the second) on, small heads and two local views (the
+    terms and their arithmetic as at the defaults, in less time), a teacher momentum that moves it visibly."""
     name: str = ""
 
 
@@ -96,6 +99,10 @@ class RunResult:
     ema_reference: dict[str, torch.Tensor] | None = None
     """The same average computed from the whole fp32 masters after every applied step (timm's rule)."""
     ema_probe: dict[str, Any] | None = None
+    teacher: dict[str, torch.Tensor] | None = None
+    """--siglip2: the EMA teacher's state (its modules and both centers) after the run."""
+    parts: list[dict[str, float]] = field(default_factory=list)
+    """--siglip2: each step's objective terms (``StepResult.parts``)."""
     """A probe batch embedded (eval mode) by the live engine, inside ``WeightEma.swapped_in()``, and live again
     after it: {"inputs": (images, texts), "live", "ema", "live_after": (image, text features)}."""
 
@@ -221,7 +228,16 @@ def train_argv(spec: RunSpec, preset_dir: str | None = None) -> list[str]:
         argv += ["--distill-model", spec.distill_model]
     if spec.ema_decay is not None:
         argv += ["--ema-decay", repr(spec.ema_decay)] + (["--ema-warmup"] if spec.ema_warmup else [])
+    if spec.siglip2:
+        argv += ["--siglip2", *SIGLIP2_TEST_FLAGS, "--siglip2-selfsup-start", repr(1.5 / FLAT_SCHEDULE_STEPS)]
     return argv
+
+
+SIGLIP2_TEST_FLAGS = (
+    "--siglip2-prototypes", "256", "--siglip2-patch-prototypes", "64", "--siglip2-local-views", "2",
+    "--siglip2-teacher-momentum", "0.5",
+)  # fmt: skip
+"""Sizes that keep a CPU test short (the defaults' 65536 prototypes and eight views change no arithmetic)."""
 
 
 class _GradProbe:
@@ -333,7 +349,7 @@ def run_in_group(spec: RunSpec) -> RunResult:
     reference: dict[str, torch.Tensor] | None = None
     applied = 0
     engine.train()
-    losses, per_step_ops, skipped = [], [], []
+    losses, per_step_ops, skipped, parts = [], [], [], []
     comms = None
     if spec.count_collectives:
         from deepspeed import comm as ds_comm
@@ -356,6 +372,8 @@ def run_in_group(spec: RunSpec) -> RunResult:
             )
         losses.append(float(res.loss))
         skipped.append(res.skipped)
+        if res.parts is not None:
+            parts.append({k: float(v) for k, v in res.parts.items()})
         if not res.skipped:
             applied += 1
             if run.after_update(applied) and schedule is not None:
@@ -385,10 +403,24 @@ def run_in_group(spec: RunSpec) -> RunResult:
         ema=ema_whole,
         ema_reference=reference,
         ema_probe=ema_probe,
+        teacher=_teacher_state(run),
+        parts=parts,
     )
     engine.destroy()
     del engine
     return result
+
+
+def _teacher_state(run) -> dict[str, torch.Tensor] | None:
+    rt = run.built.siglip2
+    if rt is None:
+        return None
+    state = {
+        f"modules.{k}": v.detach().float().cpu().clone() for k, v in rt.teacher.modules.state_dict().items()
+    }
+    state["center_global"] = rt.teacher.center_global.cpu().clone()
+    state["center_patch"] = rt.teacher.center_patch.cpu().clone()
+    return state
 
 
 def _probe_ema(engine, ema, spec: RunSpec, model_cfg: dict) -> dict[str, Any]:

@@ -11,6 +11,8 @@ per-micro-batch or per-rank means).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -22,6 +24,7 @@ from ds_clip_harness.cases import (
     EMA_DECAY,
     FP16_CASES,
     FP32_CASES,
+    SIGLIP2_CASES,
     Case,
     M,
     fp16_cases_run,
@@ -220,6 +223,41 @@ def test_two_ranks_accum2_train_like_four_ranks(case, runs, models):
         moved2 += float((pa - p0).pow(2).sum())
     ratio = (diff2 / moved2) ** 0.5
     assert ratio <= 5e-2, f"the two runs differ by {ratio:.1%} of how far the model moved"
+
+
+@pytest.mark.parametrize("case", SIGLIP2_CASES, ids=lambda c: c.name)
+def test_siglip2_terms_and_teacher_train_alike_on_2_ranks_accum2_and_4_ranks(case, runs, models):
+    """--siglip2: the decoder, self-distillation and masked-prediction terms (each a mean over the global batch)
+    and the EMA teacher are the same on 2 ranks x k=2 and 4 ranks x k=1, across the switch at the self-supervised
+    start (step 0 without the two terms, steps 1-2 with them); every term trains its parameters. (The parameters
+    themselves: test_two_ranks_accum2_train_like_four_ranks, which runs these cases too.)"""
+    from ds_clip.config import parse_settings
+    from ds_clip.training.engine import build_model_bundle
+    from ds_clip_harness.runs import train_argv
+
+    a, b = runs[(case.name, 2)], runs[(case.name, 4)]
+    terms = ("loss_contrastive", "loss_locca", "loss_silc", "loss_tips")
+    for r in (a, b):
+        assert [math.isnan(p["loss_silc"]) for p in r.parts] == [True, False, False]
+        assert [math.isnan(p["loss_tips"]) for p in r.parts] == [True, False, False]
+        assert all(math.isfinite(p["loss_locca"]) and math.isfinite(p["loss_contrastive"]) for p in r.parts)
+    for pa, pb in zip(a.parts, b.parts):
+        for key in terms:
+            if not math.isnan(pa[key]):
+                assert pa[key] == pytest.approx(pb[key], rel=1e-5), key
+    lr = ADAM["lr"]
+    assert a.teacher.keys() == b.teacher.keys()
+    for name, ta in a.teacher.items():
+        diff = float((ta - b.teacher[name]).abs().max())
+        assert diff <= 2e-2 * lr, f"teacher {name}: max |diff| {diff:.2e}"
+    spec = spec_for(case, models, k=2)
+    settings = parse_settings(train_argv(spec))
+    start = dict(build_model_bundle(settings.model, seed=0, loss=settings.loss).model.named_parameters())
+    for part in ("siglip2.decoder.", "siglip2.global_head.", "siglip2.patch_head.", "siglip2.masker."):
+        moved = [n for n, p in a.params.items() if n.startswith(part) and not torch.equal(p, start[n].detach())]
+        assert moved, f"no parameter of {part} moved"
+    # The teacher moved off the student's copy and toward it: neither its start nor the final student.
+    assert float(a.teacher["center_global"].abs().sum()) > 0
 
 
 @pytest.mark.parametrize("case", EMA_CASES, ids=lambda c: c.name)

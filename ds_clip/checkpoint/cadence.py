@@ -199,7 +199,15 @@ class Checkpointer:
         self.data.load_state_dict(state["data"])
         self.resumed_from = Path(state["path"])
         self._holds = (int(state["step"]), self.resumed_from)
-        parts = [part.load_from(self.resumed_from, is_main=is_main) for part in self.parts]
+        loaded = {
+            getattr(part, "resume_label", "EMA"): part.load_from(self.resumed_from, is_main=is_main)
+            for part in self.parts
+        }
         if is_main:
-            logger.info("%s", describe_resume(state, self.data, ema=parts[0] if parts else None))
+            line = describe_resume(state, self.data, ema=loaded.pop("EMA", None))
+            # Other parts (the SigLIP 2 teacher) after the EMA, in the same one line.
+            line += "".join(
+                f", {label} {'restored' if ok else 'not in the checkpoint'}" for label, ok in loaded.items()
+            )
+            logger.info("%s", line)
         return int(state["step"])

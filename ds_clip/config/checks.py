@@ -7,7 +7,6 @@ the flag (its option as the field defines it, `flag_named`).
 from __future__ import annotations
 
 import dataclasses
-
 import importlib.util
 from pathlib import Path
 from typing import Any
@@ -268,7 +267,10 @@ def check_siglip2(s) -> None:
             f.name for f in dataclasses.fields(loss)
             if f.name.startswith("siglip2_") and getattr(loss, f.name) != f.default
         ]  # fmt: skip
-        need(not changed, f"{', '.join(flag_named(n).option for n in changed)} set without --siglip2: add --siglip2")
+        need(
+            not changed,
+            f"{', '.join(flag_named(n).option for n in changed)} set without --siglip2: add --siglip2",
+        )
         return
     need(
         0 <= loss.siglip2_selfsup_start < 1,

@@ -341,7 +341,9 @@ class LossSettings:
     """SigLIP 2's objective (docs/siglip2.md): the sigmoid loss (implies --siglip) plus a LocCa caption decoder
     over the image tower's tokens and, from --siglip2-selfsup-start on, SILC self-distillation and TIPS masked
     prediction against an EMA teacher of the image tower. A SigLIP model (one with a logit_bias)."""
-    siglip2_selfsup_start: float = opt(0.8, metavar="FRACTION", unit="of the run's steps", open_clip="ds_clip only")
+    siglip2_selfsup_start: float = opt(
+        0.8, metavar="FRACTION", unit="of the run's steps", open_clip="ds_clip only"
+    )
     """--siglip2: the fraction of the run's optimizer steps after which self-distillation and masked prediction
     join (the paper's last 20%); the teacher starts as a copy of the student there."""
     siglip2_locca_weight: float = opt(1.0, metavar="W", open_clip="ds_clip only")
@@ -351,7 +353,10 @@ class LossSettings:
     """--siglip2: share of the decoder's sequences predicted in parallel (all inputs masked, no causal mask: CapPa)
     instead of autoregressively."""
     siglip2_decoder_layers: int | None = opt(
-        None, metavar="N", default_text="a quarter of the text tower's layers, at least 1", open_clip="ds_clip only"
+        None,
+        metavar="N",
+        default_text="a quarter of the text tower's layers, at least 1",
+        open_clip="ds_clip only",
     )
     """--siglip2: layers of the LocCa decoder (the text tower's width and heads, with cross-attention)."""
     siglip2_silc_weight: float | None = opt(

@@ -20,6 +20,7 @@ from torch.profiler import record_function
 
 from ds_clip import distributed
 from ds_clip.models.model import Teacher, frozen_towers
+from ds_clip.step.aux import AuxTerms
 from ds_clip.step.caption import CaptionLoss
 from ds_clip.step.checks import (
     EngineConfigError,
@@ -70,6 +71,11 @@ class StepResult:
     """The learning rate of the first parameter group in the optimizer when this step's update ran: the LR that
     trained it. Read before ``engine.step()``, which steps the LR scheduler and leaves the next step's LR in the
     optimizer. None when the update was skipped before the optimizer (a non-finite loss or gradient)."""
+    parts: dict[str, torch.Tensor] | None = None
+    """With aux terms (--siglip2): the contrastive loss and each term's global mean (``loss_<name>``, unweighted),
+    and the extras the forward counts; detached device tensors, the same on every rank."""
+    aux_center: torch.Tensor | None = None
+    """With aux terms: the forward's ``aux_center`` vectors summed over the global batch (None without them)."""
 
 
 def micro_batch_seed(seed: int, step: int, global_micro_batch: int) -> int:
@@ -194,6 +200,10 @@ class Towers:
         return surrogate
 
 
+AUX_OUTPUTS = frozenset({"aux", "aux_center"})
+"""What a forward with aux terms returns beside its features (``ds_clip.step.aux``)."""
+
+
 def _dot(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     # fp32 dot so bf16/fp16 embeddings receive their gradient without a low-precision reduction.
     return (a.float() * g).sum()
@@ -215,6 +225,8 @@ class Plan:
     towers: Towers
     caption: CaptionLoss | None
     teacher: Teacher | None
+    aux: AuxTerms | None = None
+    """Per-sample terms the forward returns in ``out["aux"]`` (``ds_clip.step.aux``)."""
     normalize: tuple[Sequence[float], Sequence[float]] | None = None
     """(mean, std) of uint8 micro-batch images (--decode fast), applied on the device in ``inputs``."""
 
@@ -228,6 +240,7 @@ class Plan:
         caption: CaptionLoss | None,
         teacher: Teacher | None,
         normalize: tuple[Sequence[float], Sequence[float]] | None = None,
+        aux: AuxTerms | None = None,
     ) -> Plan:
         device = torch.device(engine.device)
         if normalize is not None:
@@ -241,10 +254,12 @@ class Plan:
             seeds=seeds,
             siglip=loss_fn.spec.siglip,
             coalesce=engine.managed_gradient_accumulation(),
-            towers=Towers.of(engine.module, caption=caption is not None),
+            # The aux terms read the image tower's tokens of the joint forward, as CoCa's decoder does.
+            towers=Towers.of(engine.module, caption=caption is not None or aux is not None),
             caption=caption,
             teacher=teacher,
             normalize=normalize,
+            aux=aux,
         )
 
     @property
@@ -307,6 +322,12 @@ class Cache:
     """The teacher's features of all k micro-batches, constants of the loss."""
     rng_after: RngState | None = None
     """The streams after phase 1: where the step leaves them, whatever phase 3 drew."""
+    aux: list[torch.Tensor] = field(default_factory=list)
+    """Aux terms: each micro-batch's [sum, count, ...] vector; micro-batch 0's sums keep their graph."""
+    aux_total: torch.Tensor | None = None
+    """Aux terms: the vectors summed over the global batch."""
+    centers: list[torch.Tensor] = field(default_factory=list)
+    center_total: torch.Tensor | None = None
 
 
 def _embed(engine, micro_batches, plan: Plan) -> Cache:
@@ -316,7 +337,8 @@ def _embed(engine, micro_batches, plan: Plan) -> Cache:
     plan.seed(0)
     inputs = plan.inputs(micro_batches[0])
     out0 = engine(**inputs)
-    check_outputs(out0.keys(), siglip=plan.siglip, caption=plan.caption is not None)
+    check_outputs(out0.keys() - AUX_OUTPUTS if plan.aux is not None else out0.keys(), siglip=plan.siglip,
+                  caption=plan.caption is not None)  # fmt: skip
     cache = Cache(out0=out0)
     _keep(cache, plan, inputs, out0)
     del inputs
@@ -331,6 +353,10 @@ def _embed(engine, micro_batches, plan: Plan) -> Cache:
     cache.rng_after = RngState(plan.device)
     if plan.caption is not None:
         cache.caption_total = plan.caption.global_sum_and_count(cache.captions)
+    if plan.aux is not None:
+        cache.aux_total = plan.aux.global_total(cache.aux)
+        if cache.centers:  # the same on every rank: the forward returns centers on every rank or on none
+            cache.center_total = AuxTerms.global_total(cache.centers)
     if plan.teacher is not None:
         cache.teacher, cache.teacher_outs = _teacher_features(cache.teacher_outs), []
     return cache
@@ -346,6 +372,10 @@ def _keep(cache: Cache, plan: Plan, inputs: dict[str, torch.Tensor], out: dict[s
     cache.texts.append(out["text_features"].detach())
     if plan.caption is not None:
         cache.captions.append(plan.caption.sum_and_count(out))
+    if plan.aux is not None:
+        cache.aux.append(out["aux"])
+        if out.get("aux_center") is not None:
+            cache.centers.append(out["aux_center"].detach())
 
 
 def _teacher_features(outs: list[dict[str, torch.Tensor]]) -> TeacherFeatures:
@@ -369,6 +399,9 @@ class Grads:
     """∂L/∂logit_scale (and ∂L/∂logit_bias), times scalar_grad_coef and the contrastive weight."""
     caption_coef: torch.Tensor | None
     """CoCa: the factor on a micro-batch's token-loss sum (``CaptionLoss.grad_coef``)."""
+    aux_coefs: torch.Tensor | None = None
+    """Aux terms: the factor on each term's micro-batch sum (``AuxTerms.grad_coefs``)."""
+    parts: dict[str, torch.Tensor] | None = None
 
 
 def _full_batch_grads(cache: Cache, loss_fn: ContrastiveLoss, plan: Plan) -> Grads | None:
@@ -381,6 +414,10 @@ def _full_batch_grads(cache: Cache, loss_fn: ContrastiveLoss, plan: Plan) -> Gra
     value = result.value
     if plan.caption is not None:
         value = plan.caption.contrastive_weight * value + plan.caption.value(cache.caption_total)
+    parts = None
+    if plan.aux is not None:
+        parts = {"loss_contrastive": value.detach(), **plan.aux.logged(cache.aux_total)}
+        value = value + plan.aux.value(cache.aux_total)
     # The cache pass computes the same values as the recompute (same RNG), so a NaN/inf embedding, loss or
     # embedding gradient is seen here, and a skipped step leaves no partial gradients behind. (fp16 overflow
     # inside a backward is DeepSpeed's loss scaler's to catch; it skips that step itself.) Every check stays
@@ -397,6 +434,8 @@ def _full_batch_grads(cache: Cache, loss_fn: ContrastiveLoss, plan: Plan) -> Gra
         caption_coef=None
         if plan.caption is None
         else plan.caption.grad_coef(cache.caption_total, loss_fn.world_size),
+        aux_coefs=None if plan.aux is None else plan.aux.grad_coefs(cache.aux_total, loss_fn.world_size),
+        parts=parts,
     )
 
 
@@ -441,6 +480,11 @@ def _surrogate(j: int, out: dict[str, torch.Tensor], plan: Plan, cache: Cache, g
         # sum computed with its kept graph in phase 1).
         token_loss = cache.captions[0][0] if j == 0 else plan.caption.token_loss_sum(out)
         surrogate = surrogate + token_loss.float() * grads.caption_coef
+    if plan.aux is not None:
+        # Per sample, as the caption term: micro-batch 0's sums from phase 1 (with their graph), the others' from
+        # their recompute.
+        aux = cache.aux[0] if j == 0 else out["aux"]
+        surrogate = surrogate + plan.aux.surrogate(aux, grads.aux_coefs)
     if j == 0:
         # logit_scale (and logit_bias) enter exactly once per step.
         surrogate = surrogate + _dot(out["logit_scale"], grads.scalars[0])
@@ -458,6 +502,7 @@ def cached_step(
     caption: CaptionLoss | None = None,
     teacher: Teacher | None = None,
     image_normalize: tuple[Sequence[float], Sequence[float]] | None = None,
+    aux: AuxTerms | None = None,
 ) -> StepResult:
     """Train one optimizer step on k = len(micro_batches) micro-batches of (images, token ids).
 
@@ -481,17 +526,20 @@ def cached_step(
     ``teacher`` (--distill-model; the loss must distil): embeds each micro-batch once, in phase 1 under no_grad
     (micro-batch 0 too, never in the recompute); its embeddings enter the loss as constants.
 
+    ``aux`` (--siglip2; ``ds_clip.step.aux``): the forward's per-sample terms join the objective, each a mean over
+    the global batch; ``StepResult.parts`` gives each one's value.
+
     ``image_normalize`` ((mean, std); ``TrainData.image_normalize``): the images are uint8 (--decode fast) and
     are normalised on the device as torchvision's ToTensor + Normalize would (``normalize_images``).
     """
     sizes = check_step_call(engine, micro_batches, loss_fn, micro_batch_seeds)  # host sync 1 (W > 1)
-    plan = Plan.decide(engine, loss_fn, sizes, micro_batch_seeds, caption, teacher, image_normalize)
+    plan = Plan.decide(engine, loss_fn, sizes, micro_batch_seeds, caption, teacher, image_normalize, aux)
     # The phases are named ranges in torch.profiler (and in Nsight Systems under torch.autograd.profiler.emit_nvtx):
     # where a step's time goes (benchmarks/bench_exactness_cost.py --phases). Without a profiler a range costs
     # microseconds.
     with record_function("ds_clip.step.embed"):
         cache = _embed(engine, micro_batches, plan)
-    scale_out, rng_after = cache.out0["logit_scale"], cache.rng_after
+    scale_out, rng_after, center_total = cache.out0["logit_scale"], cache.rng_after, cache.center_total
     with record_function("ds_clip.step.loss"):
         grads = _full_batch_grads(cache, loss_fn, plan)  # host sync 2: the finiteness flag
     if grads is not None:
@@ -523,4 +571,6 @@ def cached_step(
         skipped=not applied,
         overflow=not applied,
         lr=lr,
+        parts=grads.parts,
+        aux_center=center_total,
     )

@@ -21,6 +21,7 @@ from ds_clip.distributed import accelerator_name
 from ds_clip.ds_config.resolve import ResolvedDeepSpeed, fill_start_keys, resolve_deepspeed
 from ds_clip.geometry import BatchGeometry
 from ds_clip.models.model import ModelBundle, Teacher, build_model, prepare_for_deepspeed
+from ds_clip.siglip2.objective import Siglip2Runtime, runtime_of
 from ds_clip.step.caption import CaptionLoss, caption_loss_for
 from ds_clip.step.loss import ContrastiveLoss, LossSpec, resolve_impl
 from ds_clip.training.optim import (
@@ -46,6 +47,8 @@ class BuiltEngine:
     """CoCa models: the caption term and the CoCa weights (``cached_step(..., caption=)``); else None."""
     teacher: Teacher | None = None
     """--distill-model: the frozen teacher, on the engine's device in its precision (not part of the engine)."""
+    siglip2: Siglip2Runtime | None = None
+    """--siglip2: the objective's runtime (its EMA teacher, the self-supervised start); its terms go to the step."""
 
 
 def resolve_run(s: TrainSettings, world_size: int) -> tuple[BatchGeometry, ResolvedDeepSpeed]:
@@ -57,7 +60,12 @@ def resolve_run(s: TrainSettings, world_size: int) -> tuple[BatchGeometry, Resol
 
 
 def build_model_bundle(
-    m: ModelSettings, *, seed: int, local_rank: int | None = None, load_published: bool = True
+    m: ModelSettings,
+    *,
+    seed: int,
+    local_rank: int | None = None,
+    load_published: bool = True,
+    loss: LossSettings | None = None,
 ) -> ModelBundle:
     """The open_clip model of the model section (seeded by ``seed``, the run's --seed, made DeepSpeed-safe) with
     its tokenizer and transforms; the image flags reach the model and the transforms, the locking flags freeze
@@ -109,6 +117,12 @@ def build_model_bundle(
         import torch
 
         bundle.model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(bundle.model)
+    if loss is not None and loss.siglip2:
+        # Before DeepSpeed and the checkpoint's shape check see the model: the decoder, heads and mask token are
+        # parameters of it like any other.
+        from ds_clip.siglip2.objective import attach
+
+        attach(bundle.model, bundle.model_cfg, loss, seed=seed)
     prepare_for_deepspeed(bundle.model)
     return bundle
 
@@ -236,6 +250,9 @@ def build_engine(
         from ds_clip.step.cached import input_dtype
 
         teacher.to(engine.device, input_dtype(engine))
+    siglip2 = runtime_of(bundle.model)
+    if siglip2 is not None:
+        siglip2.start(total_steps=total_steps, device=engine.device)
     loss_fn = ContrastiveLoss(
         LossSpec(
             siglip=loss.siglip,
@@ -261,7 +278,12 @@ def build_engine(
         siglip=loss.siglip,
     )
     return BuiltEngine(
-        engine=engine, loss_fn=loss_fn, ds_config=ds_json, caption_fn=caption_fn, teacher=teacher
+        engine=engine,
+        loss_fn=loss_fn,
+        ds_config=ds_json,
+        caption_fn=caption_fn,
+        teacher=teacher,
+        siglip2=siglip2,
     )
 
 

@@ -42,6 +42,12 @@ def format_line(m: dict[str, Any]) -> str:
         f"peak_mem {m['peak_mem_mib']:.0f}MiB",
     ]
     # Two kinds of skip, named apart: bad samples the loaders left out, updates a non-finite step skipped.
+    # --siglip2: each term of the objective apart (a term not trained yet is NaN in the sinks, left off here).
+    for key, value in m.items():
+        if key.startswith("loss_") and value == value:
+            parts.append(f"{key[5:]} {value:.4f}")
+        elif key == "locca_regions":
+            parts.append(f"regions {int(value)}")
     if m.get("skipped_samples"):
         parts.append(f"skipped_samples {m['skipped_samples']}")
     if m.get("skipped_steps"):
@@ -207,6 +213,7 @@ class StepMeter:
         self.every_n_steps, self.total_steps = every_n_steps, total_steps
         self.global_batch, self.world_size = geometry.global_batch, geometry.world_size
         self.loss = self.logit_scale = self.lr = None
+        self.parts: dict | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -221,6 +228,7 @@ class StepMeter:
             self.loss, self.logit_scale = result.loss, result.logit_scale
             # The LR the step trained at (not the optimizer's LR after it: that is already the next step's).
             self.lr = result.lr
+            self.parts = getattr(result, "parts", None)
 
     def should_log(self, step: int) -> bool:
         return step % self.every_n_steps == 0 or step == self.total_steps
@@ -246,6 +254,8 @@ class StepMeter:
             "skipped_samples": skipped_samples,
             "skipped_steps": skipped_steps,
         }
+        if self.parts is not None:  # host reads at log steps only
+            row.update({k: float(v) for k, v in self.parts.items()})
         self._reset()
         return row
 

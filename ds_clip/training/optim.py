@@ -79,7 +79,11 @@ class GroupInfo:
 
 
 def no_decay(name: str, p: torch.Tensor) -> bool:
-    """open_clip's rule: no weight decay on gains, biases, norms and ``logit_scale``/``logit_bias``."""
+    """open_clip's rule: no weight decay on gains, biases, norms and ``logit_scale``/``logit_bias``. --siglip2: nor
+    on the self-supervised heads and mask token, which get no gradient before the self-supervised start: decay
+    alone would shrink them from their initialisation until then (the paper initialises them at the start)."""
+    if name.startswith(("siglip2.global_head.", "siglip2.patch_head.", "siglip2.masker.")):
+        return True
     return p.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
 
 

@@ -147,7 +147,11 @@ class Trainer:
             logger.info("%s", start.describe(s.model))
 
         self.bundle = bundle = build_model_bundle(
-            s.model, seed=s.data.seed, local_rank=info.local_rank, load_published=start.loads_published
+            s.model,
+            seed=s.data.seed,
+            local_rank=info.local_rank,
+            load_published=start.loads_published,
+            loss=s.loss,
         )
         check_tokenizer_fits(bundle.model, bundle.tokenizer, s.model.model)  # the data is tokenized by it
         # The parameter shapes are checked against a checkpoint before DeepSpeed loads it.
@@ -182,7 +186,7 @@ class Trainer:
         self.checkpointer = Checkpointer(
             self.engine, run_dir, self.data, s.checkpoint, geometry=geometry, settings=settings_to_dict(s),
             meta=_checkpoint_meta(s.model, s.dist.precision, bundle), steps_per_epoch=steps_per_epoch,
-            parts=[self.ema] if self.ema is not None else [],
+            parts=[p for p in (self.ema, self.run_step.built.siglip2 and self.run_step.built.siglip2.teacher) if p],
         )  # fmt: skip
         self.evaluator = self._build_evaluator(_image_px(bundle))
         self.start_step = (
@@ -265,6 +269,8 @@ class Trainer:
             logger.warning("%s", warning)
         if self.ema is not None:
             logger.info("%s", self.ema.describe())
+        if self.run_step.built.siglip2 is not None:
+            logger.info("%s", self.run_step.built.siglip2.describe(self.s.data.dataset_type))
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         if restarts:
             # torchrun's elastic agent restarted the workers (a host lost or added): say what this start is.

@@ -43,6 +43,8 @@ class RunStep:
     """The weight EMA (--ema-decay); None without it."""
     image_normalize: ImageNormalize | None = None
     """uint8 images from the loader are normalised on the device with (mean, std); None: float images."""
+    _aux_center: torch.Tensor | None = None
+    """The last step's global center sums (--siglip2), for ``after_update``."""
 
     @property
     def engine(self) -> Any:
@@ -64,10 +66,14 @@ class RunStep:
         k = len(micro_batches)
         ids = micro_batch_ids if micro_batch_ids is not None else range(self.rank * k, self.rank * k + k)
         seeds = [micro_batch_seed(self.settings.data.seed, step, g) for g in ids]
+        siglip2 = self.built.siglip2
+        if siglip2 is not None:
+            siglip2.begin_step(self.engine.module, step)
         try:
             result = cached_step(
                 self.engine, micro_batches, self.built.loss_fn, micro_batch_seeds=seeds,
                 caption=self.built.caption_fn, teacher=self.built.teacher, image_normalize=self.image_normalize,
+                aux=None if siglip2 is None else siglip2.terms,
             )  # fmt: skip
         except UntrainedOutputError as exc:  # same on every rank: the first step's forward, before any update
             raise UntrainedOutputError(
@@ -75,11 +81,14 @@ class RunStep:
             ) from None
         if not result.skipped:
             clamp_logit_scale(self.engine)
+        self._aux_center = result.aux_center
         return result
 
     def after_update(self, step: int) -> bool:
         """After applied update ``step`` (1-based; a skipped batch is not one): the weight EMA on its cadence.
-        Returns whether the EMA was updated."""
+        Returns whether the EMA was updated. --siglip2: its teacher's EMA and centers, after a self-supervised step."""
+        if self.built.siglip2 is not None:
+            self.built.siglip2.after_update(self.engine.module, self._aux_center)
         return self.ema is not None and self.ema.maybe_update(step)
 
 
@@ -115,5 +124,5 @@ def build_run_step(
     length."""
     geometry, ds = resolve_run(s, world_size)
     ds.refuse_blocked()
-    bundle = build_model_bundle(s.model, seed=s.data.seed, local_rank=local_rank)
+    bundle = build_model_bundle(s.model, seed=s.data.seed, local_rank=local_rank, loss=s.loss)
     return build_step(s, bundle, geometry, ds, rank=rank, total_steps=total_steps)
