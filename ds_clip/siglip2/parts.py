@@ -71,8 +71,9 @@ class ProjectionHead(nn.Module):
     then a linear layer to K prototypes whose rows are L2-normalised (DINO's weight-normalised last layer with
     its gain fixed at 1). A LayerNorm first: the tower's tokens reach it before any final norm."""
 
-    def __init__(self, in_dim: int, out_dim: int, *, hidden: int = 2048, bottleneck: int = 256) -> None:
+    def __init__(self, in_dim: int, out_dim: int, *, width: int) -> None:
         super().__init__()
+        hidden, bottleneck = head_dims(width)
         self.norm = nn.LayerNorm(in_dim)
         self.mlp = nn.Sequential(
             nn.Linear(in_dim, hidden),
@@ -91,6 +92,13 @@ class ProjectionHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.normalize(self.mlp(self.norm(x)).float(), dim=-1)
         return x @ F.normalize(self.prototypes.float(), dim=-1).t()
+
+
+def head_dims(width: int) -> tuple[int, int]:
+    """(hidden, bottleneck) of a head on an image tower ``width`` wide: DINO's 2048 and 256 from width 256 on (its
+    ViT-S and ViT-B alike); a narrower tower (a test model) gets 8 x its width, so its heads do not outweigh it."""
+    hidden = 2048 if width >= 256 else 8 * width
+    return hidden, min(256, hidden)
 
 
 class PatchMasker(nn.Module):
@@ -129,6 +137,6 @@ class Siglip2Parts(nn.Module):
     ) -> None:
         super().__init__()
         self.decoder = decoder
-        self.global_head = ProjectionHead(pooled_dim, prototypes)
-        self.patch_head = ProjectionHead(token_dim, patch_prototypes)
+        self.global_head = ProjectionHead(pooled_dim, prototypes, width=token_dim)
+        self.patch_head = ProjectionHead(token_dim, patch_prototypes, width=token_dim)
         self.masker = PatchMasker(token_dim)
