@@ -116,6 +116,8 @@ _DRAWS: dict[str, frozenset[str]] = {
     _TV + "RandomOrder": frozenset({"torch", "python"}),
     _TV + "RandomChoice": frozenset({"torch", "python"}),
     "ds_clip.data.decode.FastCrop": frozenset({"torch"}),  # RandomResizedCrop's draw, from the JPEG header
+    # Replays the geometric steps it lists in `transforms` (their draws are added as for a Compose).
+    "ds_clip.data.regions.BoxGeometry": frozenset(),
     "open_clip.transform.MaybeConvertMode": frozenset(),
     "open_clip.transform.MaybeToTensor": frozenset(),
     "open_clip.transform.CenterCropOrPad": frozenset(),
