@@ -4,7 +4,7 @@ The trainer needs only `DataSettings` (the `data` section of ds_clip.config's se
 and the `StepBatch`es it yields; see docs/data.md for the flags, modes, leftover rule and bad-data
 handling. `build_train_data` takes the user's train transform as it is and seeds its draws per sample
 itself (`SeededTransform`). Modules, each importing only those below it (import-linter, pyproject.toml):
-loader -> wds | table -> base -> synthetic -> augment.
+loader -> wds | table -> regions (the box rows of --siglip2) -> base -> synthetic -> augment.
 """
 
 from ds_clip.data.augment import SeededTransform

@@ -42,14 +42,18 @@ SampleId = int | tuple[str, str]
 """Identity of a sample: its global index (synthetic data) or (shard URL, key) (webdataset)."""
 
 
-def sample_seeds(seed: int, epoch: int, sample: SampleId) -> tuple[int, int, np.ndarray]:
+def sample_seeds(
+    seed: int, epoch: int, sample: SampleId, purpose: str = "augment"
+) -> tuple[int, int, np.ndarray]:
     """Seeds of the (torch, Python `random`, numpy) generators for one sample: a hash of (seed, epoch, sample).
 
     The repr of a tuple of ints and strs is unambiguous (a ":" in a URL cannot shift the fields) and stable
     across Python versions; blake2b as for the synthetic pairs and the shard order. The three seeds come
     from disjoint bytes of one digest: 64 bits for torch (its limit), 128 for `random` and numpy.
+    `purpose` keys another draw of the same sample apart from its augmentation (the region a sample's LocCa
+    rows describe: ds_clip.data.regions), so that the two are independent, not the same stream read twice.
     """
-    text = repr(("augment", int(seed), int(epoch), sample))
+    text = repr((purpose, int(seed), int(epoch), sample))
     digest = hashlib.blake2b(text.encode(), digest_size=40).digest()
     return (
         int.from_bytes(digest[:8], "little"),
@@ -112,6 +116,8 @@ _DRAWS: dict[str, frozenset[str]] = {
     _TV + "RandomOrder": frozenset({"torch", "python"}),
     _TV + "RandomChoice": frozenset({"torch", "python"}),
     "ds_clip.data.decode.FastCrop": frozenset({"torch"}),  # RandomResizedCrop's draw, from the JPEG header
+    # Replays the geometric steps it lists in `transforms` (their draws are added as for a Compose).
+    "ds_clip.data.regions.BoxGeometry": frozenset(),
     "open_clip.transform.MaybeConvertMode": frozenset(),
     "open_clip.transform.MaybeToTensor": frozenset(),
     "open_clip.transform.CenterCropOrPad": frozenset(),

@@ -27,6 +27,12 @@ class DataError(UserError):
     same_on_every_rank = False  # each rank reads its own shards and rows: every rank says what it found
 
 
+# Reasons counted in `skip_counts` that leave the sample in training: only its box annotations, or one of its
+# regions, are left out (--siglip2's LocCa rows, ds_clip.data.regions). They are bad data worth counting and
+# resuming with, but not skipped samples.
+REGION_REASONS: frozenset[str] = frozenset({"bad_json", "bad_region", "region_outside_crop"})
+
+
 def check_data_settings(settings: DataSettings) -> None:
     """The data section's rules (ds_clip.config.check_data) as a DataError, plus what a loader needs
     that the command line fills in: the number of synthetic pairs per epoch."""
@@ -43,7 +49,8 @@ class StepBatch:
     """The inputs of one optimizer step on this rank."""
 
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
-    """Exactly k items: (images [m, 3, H, W] float, texts [m, L] long)."""
+    """Exactly k items: (images [m, 3, H, W] float, texts [m, L] long; [m, 3, L] from webdataset shards under
+    --siglip2: the caption, ARef and GCap rows, ds_clip.data.regions)."""
     micro_batch_ids: list[int]
     """Global micro-batch index g = rank*k + j of each item, for per-micro-batch RNG derivation."""
     step_in_epoch: int
@@ -97,6 +104,11 @@ class TrainData:
     def iter_epoch(self, epoch: int, start_step: int = 0) -> Iterator[StepBatch]:
         raise NotImplementedError
 
+    def skipped_samples(self) -> int:
+        """Samples this rank's loader skipped as bad so far (`skip_counts` less the regions left out of kept
+        samples)."""
+        return sum(n for reason, n in self.skip_counts.items() if reason not in REGION_REASONS)
+
     def _check_start(self, epoch: int, start_step: int) -> None:
         if epoch < 0 or not 0 <= start_step <= self.steps_per_epoch:
             raise ValueError(
@@ -142,6 +154,7 @@ __all__ = [
     "DATASET_TYPES",
     "DataError",
     "DataSettings",
+    "REGION_REASONS",
     "StepBatch",
     "TrainData",
     "check_data_settings",

@@ -262,12 +262,17 @@ def build_train_data(
     tokenizer: Callable[[list[str]], Any],
     rank: int,
     geometry: BatchGeometry,
+    locca_tasks: bool = False,
 ) -> TrainData:
     """Build rank ``rank``'s loader of the run's ``geometry``: k micro-batches of m pairs per step on each of
     the W ranks.
 
     Pass the user's train transform as `preprocess`, unchanged: the loader wraps it in a SeededTransform
     with `settings.seed` itself (an already wrapped one is not wrapped twice).
+
+    `locca_tasks` (--siglip2, the loss section's `siglip2`): webdataset texts are [3, L], the caption and one
+    region's ARef and GCap rows read from each sample's json (ds_clip.data.regions, docs/data.md); synthetic
+    and CSV data have no boxes and keep [L] texts.
     """
     check_data_settings(settings)
     if not 0 <= rank < geometry.world_size:
@@ -276,7 +281,7 @@ def build_train_data(
         return SyntheticTrainData(settings, geometry, rank, preprocess, tokenizer)
     if settings.dataset_type == "csv":
         return CsvTrainData(settings, geometry, rank, preprocess, tokenizer)
-    return WebDatasetTrainData(settings, geometry, rank, preprocess, tokenizer)
+    return WebDatasetTrainData(settings, geometry, rank, preprocess, tokenizer, locca_tasks=locca_tasks)
 
 
 __all__ = [

@@ -166,6 +166,7 @@ class Trainer:
                 tokenizer=bundle.tokenizer,
                 rank=info.rank,
                 geometry=geometry,
+                locca_tasks=s.loss.siglip2,
             )
         )
         steps_per_epoch = self.data.steps_per_epoch
@@ -407,7 +408,7 @@ class Trainer:
 
     def _skipped_samples(self) -> int:
         """Bad samples the loaders of all ranks skipped so far (a collective: every rank calls it)."""
-        return int(distributed.all_reduce_sum(torch.tensor(float(sum(self.data.skip_counts.values())))))
+        return int(distributed.all_reduce_sum(torch.tensor(float(self.data.skipped_samples()))))
 
     def _already_finished(self, step: int) -> TrainSummary:
         """A finished run launched again (a re-queued job's --resume latest): nothing to train, nothing saved;

@@ -22,6 +22,9 @@ sample's identity (shard name, sample key: ds_clip.sources.urls.shard_name, the 
 whatever folder, bucket or pipe: command reaches it) and the epoch, so a sample's random crop (and any other
 draw of the transform) is the same whatever rank, worker, --workers, restart or data location reads it.
 
+Under --siglip2 (`locca_tasks`) a sample's text is [3, L]: its caption, then the ARef and GCap rows of one
+region read from its json, the box following the sample's own crop (ds_clip.data.regions, docs/data.md).
+
 Modules: ``pipeline`` (``WebDatasetTrainData``: the epoch plan, the workers, the round-robin and the resume
 position) -> ``shardlist`` (shard list, weights, sizes) -> ``samples`` (reading, skipping, shuffling and
 decoding the samples of one shard).

@@ -20,6 +20,7 @@ from PIL import Image
 
 from ds_clip.data.augment import SeededTransform
 from ds_clip.data.base import (
+    REGION_REASONS,
     DataError,
     DataSettings,
     StepBatch,
@@ -28,6 +29,7 @@ from ds_clip.data.base import (
     prefetch_factor,
 )
 from ds_clip.data.decode import FastCrop
+from ds_clip.data.regions import LoccaTexts
 from ds_clip.data.wds.samples import RawSample, SkipCounter, decode_sample, iter_shard, shuffled
 from ds_clip.data.wds.shardlist import expand_urls, shard_sizes, shard_weights
 from ds_clip.geometry import BatchGeometry
@@ -81,7 +83,13 @@ class _Pipeline:
     fast: SeededTransform | None  # a seeded FastCrop (--decode fast and open_clip's train transform)
     tokenizer: Callable[[list[str]], Any]
     weights: list[float] | None = None  # per shard, resampled mode with --train-data-upsampling-factors
+    locca: LoccaTexts | None = None  # --siglip2: [3, L] texts (caption, ARef and GCap rows)
     plan: _EpochPlan | None = field(default=None)
+
+
+def _report(counter: SkipCounter, raw: RawSample, reason: str, detail: str) -> None:
+    """A region left out of a sample that still trains: counted and logged as bad samples are."""
+    counter.add(reason, raw.url, f"sample {raw.key!r}: {detail}")
 
 
 class _WorkerStream(torch.utils.data.IterableDataset):
@@ -136,6 +144,15 @@ class _WorkerStream(torch.utils.data.IterableDataset):
                 # The sample's draws: a function of (seed, epoch, shard name, key) alone, never of the folder,
                 # bucket or command that reaches the shard (sources.urls.shard_name).
                 sample = (shard_name(raw.url), raw.key)
+                regions = None
+                if p.locca is not None:
+                    regions = functools.partial(
+                        p.locca,
+                        meta=raw.data.get("json"),
+                        epoch=plan.epoch,
+                        sample=sample,
+                        report=functools.partial(_report, counter, raw),
+                    )
                 out = decode_sample(
                     raw,
                     image_exts=p.image_exts,
@@ -145,6 +162,7 @@ class _WorkerStream(torch.utils.data.IterableDataset):
                     fast=None
                     if p.fast is None
                     else functools.partial(p.fast, epoch=plan.epoch, sample=sample),
+                    regions=regions,
                 )
                 if isinstance(out, str):
                     counter.add(out, raw.url, f"sample {raw.key!r}")
@@ -179,6 +197,8 @@ class WebDatasetTrainData(TrainData):
         rank: int,
         preprocess: Callable[[Image.Image], torch.Tensor],
         tokenizer: Callable[[list[str]], Any],
+        *,
+        locca_tasks: bool = False,
     ) -> None:
         super().__init__(geometry, rank)
         assert settings.train_data is not None  # validated
@@ -238,6 +258,14 @@ class WebDatasetTrainData(TrainData):
             + ("" if settings.decode == "exact" else "; the train transform is not open_clip's plain crop")
             + ")",
         )
+        # Built here, not in the workers: a transform whose geometry cannot be followed is a start-up error.
+        locca = LoccaTexts.of(preprocess, tokenizer, settings.seed) if locca_tasks else None
+        if locca is not None and rank == 0:
+            logger.info(
+                "--siglip2: texts are [3, L]: the caption, then one region's ARef and GCap rows from the samples' "
+                ".json (zeros without one); boxes follow %r",
+                locca.geometry.transform,
+            )
         self._pipeline = _Pipeline(
             urls=self.urls,
             rank=rank,
@@ -251,6 +279,7 @@ class WebDatasetTrainData(TrainData):
             fast=None if fast is None else SeededTransform(fast, settings.seed),
             tokenizer=tokenizer,
             weights=shard_weights(settings.train_data, settings.train_data_upsampling_factors),
+            locca=locca,
         )
         self._raw_pos: list[int] = [0] * max(self.workers, 1)
         self._resume: dict[str, Any] | None = None
@@ -434,8 +463,14 @@ class WebDatasetTrainData(TrainData):
         new = {
             k: v - skips_before.get(k, 0) for k, v in self.skip_counts.items() if v != skips_before.get(k, 0)
         }
-        if new:
-            logger.warning("rank %d epoch %d: skipped bad samples: %s", self.rank, epoch, new)
+        samples = {k: v for k, v in new.items() if k not in REGION_REASONS}
+        regions = {k: v for k, v in new.items() if k in REGION_REASONS}
+        if samples:
+            logger.warning("rank %d epoch %d: skipped bad samples: %s", self.rank, epoch, samples)
+        if regions:
+            logger.warning(
+                "rank %d epoch %d: left out regions of samples that trained: %s", self.rank, epoch, regions
+            )
 
     def _advance(self, epoch: int, step: int) -> None:
         super()._advance(epoch, step)

@@ -182,9 +182,12 @@ def decode_sample(
     preprocess: Callable[[Image.Image], torch.Tensor],
     tokenizer: Callable[[list[str]], Any],
     fast: Callable[[bytes], torch.Tensor] | None = None,
+    regions: Callable[[torch.Tensor, tuple[int, int]], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | str:
     """The (image, tokens) pair of a raw sample, or the reason it is skipped. With `fast` (a seeded
-    `FastCrop`, --decode fast) the image bytes go to it instead of a full decode and `preprocess`."""
+    `FastCrop`, --decode fast) the image bytes go to it instead of a full decode and `preprocess`. With
+    `regions` (--siglip2: a bound ds_clip.data.regions.LoccaTexts) the tokens are what it makes of the caption's
+    tokens and the original image's (width, height): the [3, L] rows of the caption and one region."""
     image_bytes = _first(raw.data, image_exts)
     if image_bytes is None:
         return "missing_image"
@@ -202,11 +205,16 @@ def decode_sample(
             image_tensor = fast(image_bytes)
         except BadImage:
             return "bad_image"
-        return image_tensor, torch.as_tensor(tokenizer([caption])[0])
+        tokens = torch.as_tensor(tokenizer([caption])[0])
+        if regions is None:
+            return image_tensor, tokens
+        with Image.open(io.BytesIO(image_bytes)) as im:  # the header again (FastCrop read it): the size alone
+            return image_tensor, regions(tokens, im.size)
     try:
         with Image.open(io.BytesIO(image_bytes)) as im:
             image = im.convert("RGB")  # forces the full decode: a broken file fails here, not later
     except Exception:  # noqa: BLE001 - PIL raises many types for bad bytes; all mean "undecodable"
         return "bad_image"
     # preprocess/tokenizer errors are bugs, not bad data: let them propagate
-    return preprocess(image), torch.as_tensor(tokenizer([caption])[0])
+    tokens = torch.as_tensor(tokenizer([caption])[0])
+    return preprocess(image), tokens if regions is None else regions(tokens, image.size)
