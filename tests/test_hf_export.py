@@ -639,3 +639,21 @@ def test_eval_of_a_transformers_folder_says_so_in_one_line(clip_export, capsys):
     assert rc == 2 and len(err.splitlines()) == 1, err
     assert f"{folder} is a transformers folder (config.json, model_type clip)" in err
     assert "ds-clip-export RUN OUT" in err and "built-ins" not in err
+
+
+# ------------------------------------------------------------------------------------------- SigLIP 2 exports
+
+
+@pytest.mark.parametrize(
+    "width, factor",
+    [(192, 0.25), (384, 0.25), (768, 0.25), (896, 0.25), (1024, 0.5), (1152, 1.0), (1280, 1.0), (1536, 0.5), (2048, 1.0)],
+)  # fmt: skip
+def test_siglip2_size_factor_is_the_papers_and_fills_unset_weights(width, factor):
+    """SigLIP 2's weights of SILC (1) and TIPS (0.25) times the factor of the image tower's width: the paper's
+    0.25 / 0.5 / 1 / 0.5 for B (768), L (1024), So400m (1152), g (1536); any other width below 1024 as B, from
+    1024 up as So400m. A weight the run set is kept."""
+    from ds_clip.siglip2.defaults import siglip2_selfsup_weights, siglip2_size_factor
+
+    assert siglip2_size_factor(width) == factor
+    assert siglip2_selfsup_weights(None, None, width) == (factor, 0.25 * factor)
+    assert siglip2_selfsup_weights(0.7, None, width) == (0.7, 0.25 * factor)
