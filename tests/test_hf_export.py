@@ -723,7 +723,9 @@ def test_siglip2_run_exports_its_encoders_as_a_plain_siglip_export(tmp_path, cap
     """A --siglip2 run whose checkpoint and weight EMA hold the training-time parts (siglip2.decoder.*, a head, the
     mask token), its EMA teacher in siglip2_teacher.pt beside them, exports, trained weights and --ema alike, exactly what the same run without them exports: the same
     tensors, no siglip2 key, loaded strictly by open_clip (local-dir:); one line says what was left out and how
-    many parameters. A checkpoint holding siglip2 tensors whose settings have no --siglip2 is refused in one line, exit 2, nothing written."""
+    many parameters. The card names SigLIP 2's objective with the weights as trained (SILC and TIPS unset: the
+    defaults for the 128-wide tower, 0.25 and 0.0625) and says the export is the encoders only. A checkpoint holding
+    siglip2 tensors whose settings have no --siglip2 is refused in one line, exit 2, nothing written."""
     import open_clip
 
     import ds_clip
@@ -766,6 +768,17 @@ def test_siglip2_run_exports_its_encoders_as_a_plain_siglip_export(tmp_path, cap
         # open_clip loads a local-dir: folder strictly: every key of its model, nothing more.
         open_clip.create_model_and_transforms(f"local-dir:{tmp_path / tag}")
 
+    card = (tmp_path / "oc").joinpath("README.md").read_text()
+    assert (
+        "| objective | SigLIP 2 objective: sigmoid loss + LocCa decoder (weight 2, parallel share 0.25) + SILC "
+        "self-distillation (weight 0.25) and TIPS masked prediction (weight 0.0625) from 90% of training (teacher "
+        "momentum 0.999) |"
+    ) in card, card
+    assert "| exported parts | the image and text encoders only (with the logit scale and bias): SigLIP 2's " \
+           f"training-time parts (the LocCa decoder, the self-supervised heads, the mask token; {count:,} " \
+           "parameters) are left out, as in the paper |" in card  # fmt: skip
+    assert "A SigLIP 2 model" in card and "SigLIP 2" not in (tmp_path / "plain-oc/README.md").read_text()
+
     mixed = _saved_run(tmp_path / "mixed", config, {**encoders, **parts}, _settings("--siglip"))
     rc, out, err = _export(capsys, mixed, tmp_path / "mixed-out")
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
@@ -777,7 +790,8 @@ def test_siglip2_run_exports_its_encoders_as_a_plain_siglip_export(tmp_path, cap
 def test_siglip2_run_exports_as_a_plain_siglip_model(tmp_path, capsys):
     """The SigLIP architecture (a timm vit_*_siglip_* tower) trained with --siglip2: `--format transformers` leaves
     the siglip2 tensors out and writes the SiglipModel a plain SigLIP export writes (every tensor equal to the
-    mapping of the encoders alone), which transformers loads with no key missing or unexpected."""
+    mapping of the encoders alone), which transformers loads with no key missing or unexpected; the card names the
+    objective, SILC's weight as set and TIPS' the default for the 768-wide timm tower (0.25 x 0.25)."""
     from transformers import SiglipModel
 
     from ds_clip.export.hf_siglip import siglip_state_dict
@@ -807,3 +821,6 @@ def test_siglip2_run_exports_as_a_plain_siglip_model(tmp_path, capsys):
     assert all(torch.equal(got[k], want[k]) for k in want)
     _, info = SiglipModel.from_pretrained(tmp_path / "hf", local_files_only=True, output_loading_info=True)
     assert not any(info.values()), info
+    card = (tmp_path / "hf/README.md").read_text()
+    assert "+ SILC self-distillation (weight 0.3) and TIPS masked prediction (weight 0.0625) from 80% of training " \
+           "(teacher momentum 0.996)" in card and "library_name: transformers" in card  # fmt: skip

@@ -43,6 +43,7 @@ from ds_clip.export import hf_clip
 from ds_clip.export.model_card import hub_upload_command, write_card
 from ds_clip.models.model import without_random_init_warnings
 from ds_clip.models.weights import WEIGHTS_FILE, resolve_pretrained  # noqa: F401 - the import path users rely on
+from ds_clip.siglip2.defaults import image_tower_width
 from ds_clip.step.ema import full_state_from_files
 
 logger = logging.getLogger(__name__)
@@ -222,6 +223,7 @@ def export(
         weights=f"weight EMA (--ema-decay {settings.get('ema_decay')})" if ema else "trained weights",
         logit_scale=float(state["logit_scale"]) if "logit_scale" in state else None,
         logit_bias=float(bias) if bias is not None else None, hf_class=hf_clip.target(model_cfg), ema=ema,
+        image_width=image_tower_width(model.visual), left_out=exported.left_out,
     )  # fmt: skip
     return out
 
