@@ -639,3 +639,188 @@ def test_eval_of_a_transformers_folder_says_so_in_one_line(clip_export, capsys):
     assert rc == 2 and len(err.splitlines()) == 1, err
     assert f"{folder} is a transformers folder (config.json, model_type clip)" in err
     assert "ds-clip-export RUN OUT" in err and "built-ins" not in err
+
+
+# ------------------------------------------------------------------------------------------- SigLIP 2 exports
+
+
+def _settings(*flags: str) -> dict:
+    """settings.json of a run launched with ``flags`` (the flat settings the trainer writes and saves)."""
+    from ds_clip.config import parse_settings, settings_to_dict
+
+    return settings_to_dict(parse_settings(["--model", "ds-clip-tiny-siglip", *flags]))
+
+
+def _saved_run(
+    run: Path, config: dict, state: dict, settings: dict, ema: dict | None = None, teacher: dict | None = None
+) -> Path:
+    """A run folder as a ZeRO-0 save leaves it, no engine: settings.json, and a checkpoint with DeepSpeed's model
+    state file holding ``state`` (the module's keys), the meta, manifest, marker and pointer; ``ema``: the weight
+    EMA of those parameters as ``ema_rank0.pt`` (ds_clip.step.ema's ZeRO-0 layout, one flat partition);
+    ``teacher``: a --siglip2 run's EMA teacher, the file of its own beside them."""
+    from ds_clip import checkpoint as ck
+    from ds_clip.checkpoint.manifest import _manifest
+
+    root = run / "checkpoints"
+    path = root / ck.tag_for(4)
+    path.mkdir(parents=True)
+    (run / "settings.json").write_text(json.dumps(settings))
+    torch.save({"module": state}, path / "mp_rank_00_model_states.pt")
+    if ema is not None:
+        fragments, offset = [], 0
+        for name, value in ema.items():
+            fragments.append((name, offset, 0, value.numel()))
+            offset += value.numel()
+        flat = torch.cat([v.reshape(-1) for v in ema.values()])
+        torch.save({"format": 1, "kind": "zero0-fp32", "world_size": 1, "updates": 4, "flats": [flat],
+                    "fragments": [fragments], "shapes": {n: list(v.shape) for n, v in ema.items()}},
+                   path / "ema_rank0.pt")  # fmt: skip
+    if teacher is not None:
+        torch.save(teacher, path / "siglip2_teacher.pt")
+    meta = {"step": 4, "model": "ds-clip-tiny-siglip", **config, "settings": settings}
+    (path / ck.META).write_text(json.dumps(meta))
+    (path / ck.MANIFEST).write_text(json.dumps(_manifest(path, None)))
+    (path / ck.MARKER).write_text("4")
+    (root / ck.POINTER).write_text(path.name)
+    return run
+
+
+def _training_parts(width: int) -> dict[str, torch.Tensor]:
+    """Tensors a --siglip2 model holds under its ``siglip2`` attribute: a decoder layer, a head, the mask token."""
+    g = torch.Generator().manual_seed(1)
+    return {
+        "siglip2.decoder.layers.0.cross_attn.in_proj_weight": torch.randn(3 * width, width, generator=g),
+        "siglip2.decoder.layers.0.cross_attn.in_proj_bias": torch.randn(3 * width, generator=g),
+        "siglip2.silc_head.weight": torch.randn(16, width, generator=g),
+        "siglip2.mask_token": torch.randn(1, 1, width, generator=g),
+    }
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The weights of an export folder, either format."""
+    from safetensors.torch import load_file
+
+    name = "model.safetensors" if (folder / "config.json").exists() else "open_clip_model.safetensors"
+    return load_file(str(folder / name))
+
+
+@pytest.mark.parametrize(
+    "width, factor",
+    [(192, 0.25), (384, 0.25), (768, 0.25), (896, 0.25), (1024, 0.5), (1152, 1.0), (1280, 1.0), (1536, 0.5), (2048, 1.0)],
+)  # fmt: skip
+def test_siglip2_size_factor_is_the_papers_and_fills_unset_weights(width, factor):
+    """SigLIP 2's weights of SILC (1) and TIPS (0.25) times the factor of the image tower's width: the paper's
+    0.25 / 0.5 / 1 / 0.5 for B (768), L (1024), So400m (1152), g (1536); any other width below 1024 as B, from
+    1024 up as So400m. A weight the run set is kept."""
+    from ds_clip.siglip2.defaults import siglip2_selfsup_weights, siglip2_size_factor
+
+    assert siglip2_size_factor(width) == factor
+    assert siglip2_selfsup_weights(None, None, width) == (factor, 0.25 * factor)
+    assert siglip2_selfsup_weights(0.7, None, width) == (0.7, 0.25 * factor)
+
+
+def test_siglip2_run_exports_its_encoders_as_a_plain_siglip_export(tmp_path, capsys):
+    """A --siglip2 run whose checkpoint and weight EMA hold the training-time parts (siglip2.decoder.*, a head, the
+    mask token), its EMA teacher in siglip2_teacher.pt beside them, exports, trained weights and --ema alike, exactly what the same run without them exports: the same
+    tensors, no siglip2 key, loaded strictly by open_clip (local-dir:); one line says what was left out and how
+    many parameters. The card names SigLIP 2's objective with the weights as trained (SILC and TIPS unset: the
+    defaults for the 128-wide tower, 0.25 and 0.0625) and says the export is the encoders only. A checkpoint holding
+    siglip2 tensors whose settings have no --siglip2 is refused in one line, exit 2, nothing written."""
+    import open_clip
+
+    import ds_clip
+    from ds_clip.export.openclip import build_open_clip_model
+
+    shipped = Path(ds_clip.__file__).parent / "model_configs" / "ds-clip-tiny-siglip.json"
+    config = {"model_cfg": json.loads(shipped.read_text()), "preprocess_cfg": {}}
+    torch.manual_seed(0)
+    model = build_open_clip_model(config["model_cfg"])
+    encoders = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    averaged = {n: p.detach() * 0.5 for n, p in model.named_parameters()}
+    parts = _training_parts(128)
+    count = sum(v.numel() for v in parts.values())
+    flags = ["--siglip2-locca-weight", "2", "--siglip2-parallel-fraction", "0.25", "--siglip2-selfsup-start", "0.9",
+             "--siglip2-teacher-momentum", "0.999", "--ema-decay", "0.99"]  # fmt: skip
+    siglip2 = _saved_run(tmp_path / "s2", config, {**encoders, **parts}, _settings("--siglip2", *flags),
+                         {**averaged, **{k: v * 0.5 for k, v in parts.items()}},
+                         teacher={k: v * 3 for k, v in averaged.items() if k.startswith("visual.")})  # fmt: skip
+    plain = _saved_run(
+        tmp_path / "plain", config, encoders, _settings("--siglip", "--ema-decay", "0.99"), averaged
+    )
+
+    for extra in ((), ("--ema",)):
+        tag = "-".join(("oc", *extra))
+        rc, out, err = _export(capsys, siglip2, tmp_path / tag, *extra)
+        assert rc == 0, err
+        said = [ln for ln in out.splitlines() if "left out" in ln]
+        assert said == [
+            f"ds-clip-export: --siglip2: left out the LocCa decoder and the self-supervised heads, training-time parts "
+            f"({count:,} parameters in {len(parts)} tensors under siglip2.), as the paper does: the export holds the encoders"
+        ], out
+        rc, out, err = _export(capsys, plain, tmp_path / f"plain-{tag}", *extra)
+        assert rc == 0 and "left out" not in out, err
+        got, want = _weights(tmp_path / tag), _weights(tmp_path / f"plain-{tag}")
+        assert got.keys() == want.keys() and not [k for k in got if "siglip2" in k]
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        assert torch.equal(
+            got["visual.conv1.weight"], (averaged if extra else encoders)["visual.conv1.weight"]
+        )
+        # open_clip loads a local-dir: folder strictly: every key of its model, nothing more.
+        open_clip.create_model_and_transforms(f"local-dir:{tmp_path / tag}")
+
+    card = (tmp_path / "oc").joinpath("README.md").read_text()
+    assert (
+        "| objective | SigLIP 2 objective: sigmoid loss + LocCa decoder (weight 2, parallel share 0.25) + SILC "
+        "self-distillation (weight 0.25) and TIPS masked prediction (weight 0.0625) from 90% of training (teacher "
+        "momentum 0.999) |"
+    ) in card, card
+    assert "| exported parts | the image and text encoders only (with the logit scale and bias): SigLIP 2's " \
+           f"training-time parts (the LocCa decoder, the self-supervised heads, the mask token; {count:,} " \
+           "parameters) are left out, as in the paper |" in card  # fmt: skip
+    assert "A SigLIP 2 model" in card and "SigLIP 2" not in (tmp_path / "plain-oc/README.md").read_text()
+
+    mixed = _saved_run(tmp_path / "mixed", config, {**encoders, **parts}, _settings("--siglip"))
+    rc, out, err = _export(capsys, mixed, tmp_path / "mixed-out")
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "holds SigLIP 2's training-time parts (siglip2.decoder.layers.0.cross_attn.in_proj_bias and 3 more " \
+           "tensors) but its settings have no --siglip2" in err  # fmt: skip
+    assert not (tmp_path / "mixed-out").exists()
+
+
+def test_siglip2_run_exports_as_a_plain_siglip_model(tmp_path, capsys):
+    """The SigLIP architecture (a timm vit_*_siglip_* tower) trained with --siglip2: `--format transformers` leaves
+    the siglip2 tensors out and writes the SiglipModel a plain SigLIP export writes (every tensor equal to the
+    mapping of the encoders alone), which transformers loads with no key missing or unexpected; the card names the
+    objective, SILC's weight as set and TIPS' the default for the 768-wide timm tower (0.25 x 0.25)."""
+    from transformers import SiglipModel
+
+    from ds_clip.export.hf_siglip import siglip_state_dict
+    from ds_clip.export.openclip import build_open_clip_model
+
+    write_siglip_dir(tmp_path / "siglip_model")
+    config = json.loads((tmp_path / "siglip_model/open_clip_config.json").read_text())
+    torch.manual_seed(0)
+    encoders = build_open_clip_model(config["model_cfg"], config["preprocess_cfg"]).state_dict()
+    parts = _training_parts(768)
+    run = _saved_run(
+        tmp_path / "s2", config, {**encoders, **parts}, _settings("--siglip2", "--siglip2-silc-weight", "0.3")
+    )
+
+    rc, out, err = _export(capsys, run, tmp_path / "hf", "--format", "transformers")
+    assert rc == 0, err
+    count = sum(v.numel() for v in parts.values())
+    assert (
+        f"left out the LocCa decoder and the self-supervised heads, training-time parts ({count:,} parameters"
+        in out
+    )
+    got = _weights(tmp_path / "hf")
+    want = siglip_state_dict(
+        encoders
+    )  # what the export of the encoders alone maps (open_clip's names and shapes)
+    assert got.keys() == want.keys() and not [k for k in got if "siglip2" in k]
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    _, info = SiglipModel.from_pretrained(tmp_path / "hf", local_files_only=True, output_loading_info=True)
+    assert not any(info.values()), info
+    card = (tmp_path / "hf/README.md").read_text()
+    assert "+ SILC self-distillation (weight 0.3) and TIPS masked prediction (weight 0.0625) from 80% of training " \
+           "(teacher momentum 0.996)" in card and "library_name: transformers" in card  # fmt: skip

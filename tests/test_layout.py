@@ -18,6 +18,7 @@ PACKAGES = {
     "evaluate",
     "export",
     "models",
+    "siglip2",
     "sources",
     "step",
     "training",

@@ -22,6 +22,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from ds_clip.siglip2.defaults import SILC_WEIGHT, TIPS_WEIGHT, siglip2_selfsup_weights
+
 COMMAND_FILE = "command.txt"
 REDACTED = "REDACTED"
 LICENSE_TODO = "FILL IN before sharing"
@@ -159,13 +161,23 @@ def card_text(
     logit_bias: float | None = None,
     hf_class: str = "CLIPModel",
     ema: bool = False,
+    image_width: int | None = None,
+    left_out: int = 0,
 ) -> str:
     """The README.md of an export of ``checkpoint`` in format ``fmt`` ("open_clip" | "transformers"; ``hf_class``:
-    the transformers class, "CLIPModel" or "SiglipModel"; ``ema``: the weights are the run's weight EMA)."""
+    the transformers class, "CLIPModel" or "SiglipModel"; ``ema``: the weights are the run's weight EMA). A
+    ``--siglip2`` run's card names its objective with the weights it trained with (``image_width``: the image
+    tower's, for the defaults of the self-supervised terms) and says the export holds the encoders only
+    (``left_out``: the parameters of its training-time parts the export left out)."""
     s = meta.get("settings") or {}
     run = run_folder(checkpoint)
     step = int(meta["step"])
     siglip = bool(s["siglip"]) if "siglip" in s else logit_bias is not None  # the loss trained, not the model
+    siglip2 = bool(s.get("siglip2"))
+    if siglip2:
+        objective = siglip2_objective(s, image_width or _config_width(meta["model_cfg"]))
+    else:
+        objective = "SigLIP (sigmoid loss)" if siglip else "CLIP (softmax contrastive loss)"
     name = s.get("name") or (run.name if run else checkpoint.name)
     vis, txt = meta["model_cfg"].get("vision_cfg", {}), meta["model_cfg"].get("text_cfg", {})
     library = "transformers" if fmt == "transformers" else "open_clip"
@@ -189,8 +201,9 @@ def card_text(
         "",
         f"# {name}",
         "",
-        f"A {'SigLIP' if siglip else 'CLIP'} model trained with ds_clip (DeepSpeed, exact cached-feature gradient "
-        f"accumulation), exported at step {step} in {library} format.",
+        f"A {'SigLIP 2' if siglip2 else 'SigLIP' if siglip else 'CLIP'} model trained with ds_clip (DeepSpeed, "
+        f"exact cached-feature gradient accumulation), exported at step {step} in {library} format"
+        + (": its image and text encoders, as SigLIP 2 is published." if siglip2 else "."),
         "",
         "## Model",
         "",
@@ -200,9 +213,16 @@ def card_text(
         f"| image size | {_fmt(vis.get('image_size', '?'))} |",
         f"| context length | {_fmt(txt.get('context_length', 77))} |",
         f"| embedding size | {_fmt(meta['model_cfg'].get('embed_dim', '?'))} |",
-        f"| objective | {'SigLIP (sigmoid loss)' if siglip else 'CLIP (softmax contrastive loss)'} |",
+        f"| objective | {objective} |",
         f"| weights | {weights} (fp32) |",
     ]
+    if siglip2:
+        parts = f"; {left_out:,} parameters" if left_out else ""
+        lines.append(
+            "| exported parts | the image and text encoders only (with the logit scale and bias): SigLIP 2's "
+            f"training-time parts (the LocCa decoder, the self-supervised heads, the mask token{parts}) are left "
+            "out, as in the paper |"
+        )
     if s.get("pretrained"):
         lines.append(f"| started from | `{redact(str(s['pretrained']))}` |")
     if logit_scale is not None:
@@ -269,6 +289,35 @@ def card_text(
         "",
     ]
     return "\n".join(lines)
+
+
+def siglip2_objective(s: dict, image_width: int | None) -> str:
+    """The card's objective of a --siglip2 run from its flat settings ``s``, each weight as trained: an unset SILC
+    or TIPS weight is the paper's default for an image tower of ``image_width`` (ds_clip.siglip2.defaults)."""
+    silc, tips = s.get("siglip2_silc_weight"), s.get("siglip2_tips_weight")
+    if image_width is not None:
+        silc, tips = siglip2_selfsup_weights(silc, tips, image_width)
+    return (
+        f"SigLIP 2 objective: sigmoid loss + LocCa decoder (weight {_fmt(s.get('siglip2_locca_weight', 1.0))}, "
+        f"parallel share {_fmt(s.get('siglip2_parallel_fraction', 0.5))}) + SILC self-distillation (weight "
+        f"{_weight(silc, SILC_WEIGHT)}) and TIPS masked prediction (weight {_weight(tips, TIPS_WEIGHT)}) from "
+        f"{_fmt(100 * float(s.get('siglip2_selfsup_start', 0.8)))}% of training (teacher momentum "
+        f"{_fmt(s.get('siglip2_teacher_momentum', 0.996))})"
+    )
+
+
+def _weight(value: float | None, paper: float) -> str:
+    """A weight as trained, or (image tower width unknown) the default it stood for."""
+    return _fmt(value) if value is not None else f"{_fmt(paper)} x the model-size factor"
+
+
+def _config_width(model_cfg: dict) -> int | None:
+    """The width of an open_clip ViT image tower from its config (open_clip's default 768); None for a timm or
+    ResNet tower, whose width the config does not hold."""
+    v = model_cfg.get("vision_cfg") or {}
+    if v.get("timm_model_name") or isinstance(v.get("layers"), (list, tuple)):
+        return None
+    return int(v.get("width", 768))
 
 
 def _launches(run: Path | None) -> list[str]:
@@ -409,5 +458,6 @@ __all__ = [
     "launch_command",
     "redact",
     "run_folder",
+    "siglip2_objective",
     "write_card",
 ]

@@ -13,6 +13,12 @@ OUT gets ``open_clip_config.json`` ({"model_cfg", "preprocess_cfg"}) and ``open_
 
 ``--ema``: the weight EMA of a run trained with ``--ema-decay`` (ds_clip.step.ema; its per-rank files assembled).
 
+A ``--siglip2`` run trains parts besides the encoders under the model's ``siglip2`` attribute (the LocCa decoder, the
+self-distillation heads, the mask token; its EMA teacher is a file of its own, ``siglip2_teacher.pt``, which the
+export never reads). The export holds the encoders only, as the paper publishes them: ``exported_state`` leaves
+every ``siglip2.`` tensor out of the weights (and of the EMA) before either format sees them, and refuses a
+checkpoint that holds them while its settings say the run had no ``--siglip2``.
+
 ZeRO-1/2/3 checkpoints are consolidated with DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``
 (the fp32 master weights, not the bf16 working copy); ZeRO-0 fp32 keeps the whole model in its
 model-state file. ``logit_scale``/``logit_bias`` (shape [1] inside the engine) get open_clip's 0-dim
@@ -22,8 +28,10 @@ shape back, and the result is loaded strictly into a fresh open_clip model befor
 from __future__ import annotations
 
 import json
+import logging
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,12 +43,17 @@ from ds_clip.export import hf_clip
 from ds_clip.export.model_card import hub_upload_command, write_card
 from ds_clip.models.model import without_random_init_warnings
 from ds_clip.models.weights import WEIGHTS_FILE, resolve_pretrained  # noqa: F401 - the import path users rely on
+from ds_clip.siglip2.defaults import image_tower_width
 from ds_clip.step.ema import full_state_from_files
+
+logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "open_clip_config.json"
 # What marks a folder as holding an export of either format (--overwrite replaces it).
 EXPORT_FILES = (WEIGHTS_FILE, CONFIG_FILE, "model.safetensors", "config.json")
 FORMATS = ("open_clip", "transformers")
+# The model attribute under which a --siglip2 run keeps its training-time parts (decoder, heads, mask token).
+SIGLIP2_PREFIX = "siglip2."
 
 
 class ExportError(UserError):
@@ -68,6 +81,43 @@ def consolidated_state_dict(path: Path) -> dict[str, torch.Tensor]:
         k.removeprefix("module."): v.detach().float() if v.is_floating_point() else v
         for k, v in state.items()
     }
+
+
+@dataclass(frozen=True)
+class ExportedWeights:
+    """What ``exported_state`` read: the weights an export writes, and how many parameters it left out."""
+
+    state: dict[str, torch.Tensor]
+    """In the engine's names and stored shapes (``to_open_clip`` gives open_clip's)."""
+    left_out: int = 0
+    """Parameters of SigLIP 2's training-time parts left out (0 for any other run)."""
+
+
+def exported_state(path: Path, settings: dict, *, ema: bool = False) -> ExportedWeights:
+    """The weights an export writes: the checkpoint's consolidated state, with ``ema`` the weight EMA in place of
+    the trained parameters. Both formats read them here and only here, so what is left out is left out once:
+    SigLIP 2's training-time parts (``SIGLIP2_PREFIX``) of a run whose ``settings`` (the flat settings the
+    checkpoint was saved with, settings.json's keys) say ``siglip2``, said in one line; a checkpoint holding them
+    without it is refused in one line (weights and settings of different runs), never loaded half-way."""
+    averaged = full_state_from_files(path) if ema else {}  # first: a checkpoint without one fails at once
+    state = consolidated_state_dict(path)
+    state.update(averaged)  # the EMA has the trained parameters' names: one dict, filtered once
+    parts = sorted(k for k in state if k.startswith(SIGLIP2_PREFIX))
+    if not parts:
+        return ExportedWeights(state)
+    if not settings.get("siglip2"):
+        more = f" and {len(parts) - 1} more tensors" if len(parts) > 1 else ""
+        raise ExportError(
+            f"{path}: the checkpoint holds SigLIP 2's training-time parts ({parts[0]}{more}) but its settings have "
+            "no --siglip2: its weights and its ds_clip_meta.json are of different runs"
+        )
+    count = sum(state[k].numel() for k in parts)
+    logger.info(
+        "--siglip2: left out the LocCa decoder and the self-supervised heads, training-time parts (%s parameters in "
+        "%d tensors under siglip2.), as the paper does: the export holds the encoders",
+        f"{count:,}", len(parts),
+    )  # fmt: skip
+    return ExportedWeights({k: v for k, v in state.items() if not k.startswith(SIGLIP2_PREFIX)}, count)
 
 
 def build_open_clip_model(model_cfg: dict, preprocess_cfg: dict | None = None):
@@ -140,10 +190,9 @@ def export(
     if fmt == "transformers":
         hf_clip.check_mappable(model_cfg, preprocess_cfg)
     model = build_open_clip_model(model_cfg, meta.get("preprocess_cfg"))
-    averaged = full_state_from_files(path) if ema else {}  # first: a checkpoint without one fails at once
-    state = consolidated_state_dict(path)
-    state.update(averaged)
-    state = to_open_clip(state, model)
+    settings = meta.get("settings") or {}
+    exported = exported_state(path, settings, ema=ema)
+    state = to_open_clip(exported.state, model)
     text_cfg = model_cfg.get("text_cfg") or {}
     hf_tokenizer = _hf_tokenizer(text_cfg, cache_dir) if text_cfg.get("hf_tokenizer_name") else None
     built = (
@@ -171,9 +220,10 @@ def export(
     bias = state.get("logit_bias")
     write_card(
         out, meta=meta, checkpoint=path, fmt=fmt, command=shlex.join([*command, "--format", fmt]),
-        weights=f"weight EMA (--ema-decay {meta.get('settings', {}).get('ema_decay')})" if ema else "trained weights",
+        weights=f"weight EMA (--ema-decay {settings.get('ema_decay')})" if ema else "trained weights",
         logit_scale=float(state["logit_scale"]) if "logit_scale" in state else None,
         logit_bias=float(bias) if bias is not None else None, hf_class=hf_clip.target(model_cfg), ema=ema,
+        image_width=image_tower_width(model.visual), left_out=exported.left_out,
     )  # fmt: skip
     return out
 
@@ -241,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace an export already in the output folder")
     add_flags(p, ["cache_dir"])
     args = p.parse_args(argv)
+    # The export's info lines (what it left out) on stdout, beside what it wrote; only while this command runs.
+    said = logging.StreamHandler(sys.stdout)
+    said.setFormatter(logging.Formatter("ds-clip-export: %(message)s"))
+    level = logger.level
+    logger.addHandler(said)
+    logger.setLevel(logging.INFO)
     try:
         out = export(
             args.checkpoint, args.out, ema=args.ema, cache_dir=args.cache_dir, fmt=args.format,
@@ -249,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, UserError) as exc:
         print(f"ds-clip-export: error: {str(exc).replace('--resume ', '')}", file=sys.stderr)
         return 2
+    finally:
+        logger.removeHandler(said)
+        logger.setLevel(level)
     if args.format == "transformers":
         print(f"wrote {out} (config.json, model.safetensors, tokenizer, processor, README.md); load with "
               f"transformers.AutoModel.from_pretrained('{out}') and AutoProcessor.from_pretrained('{out}')")  # fmt: skip

@@ -26,7 +26,7 @@ from torch import nn
 
 from ds_clip.errors import UserError
 from ds_clip.siglip2 import views
-from ds_clip.siglip2.defaults import term_weights
+from ds_clip.siglip2.defaults import image_tower_width, siglip2_selfsup_weights
 from ds_clip.siglip2.parts import LocCaDecoder, Siglip2Parts
 from ds_clip.siglip2.teacher import EmaTeacher
 from ds_clip.step.aux import AuxTerms
@@ -60,10 +60,6 @@ def token_module(visual: nn.Module) -> tuple[nn.Module, int]:
 def embed_module(visual: nn.Module) -> nn.Module:
     """The patch embedding, whose output the masker rewrites."""
     return visual.trunk.patch_embed if _is_timm(visual) else visual.conv1
-
-
-def tower_width(visual: nn.Module) -> int:
-    return int(visual.trunk.embed_dim if _is_timm(visual) else visual.transformer.width)
 
 
 class _Grab:
@@ -273,7 +269,7 @@ def attach(model: nn.Module, model_cfg: dict, loss, *, seed: int) -> Siglip2Runt
     if not (_is_timm(visual) or isinstance(visual, open_clip.transformer.VisionTransformer)):
         raise Siglip2Error(f"--siglip2 needs a ViT image tower; this --model's is a {type(visual).__name__}")
     text_cfg = open_clip.model.CLIPTextCfg(**model_cfg.get("text_cfg", {}))
-    width = tower_width(visual)
+    width = image_tower_width(visual)
     layers = loss.siglip2_decoder_layers or max(1, text_cfg.layers // 4)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 2_000_003)
@@ -290,7 +286,7 @@ def attach(model: nn.Module, model_cfg: dict, loss, *, seed: int) -> Siglip2Runt
     ):
         decoder.grad_checkpointing = True
     model.siglip2 = parts
-    silc, tips = term_weights(loss.siglip2_silc_weight, loss.siglip2_tips_weight, width)
+    silc, tips = siglip2_selfsup_weights(loss.siglip2_silc_weight, loss.siglip2_tips_weight, width)
     rt = Siglip2Runtime(
         weights=(loss.siglip2_locca_weight, silc, tips),
         parallel_fraction=loss.siglip2_parallel_fraction,
