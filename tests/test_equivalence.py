@@ -254,7 +254,9 @@ def test_siglip2_terms_and_teacher_train_alike_on_2_ranks_accum2_and_4_ranks(cas
     settings = parse_settings(train_argv(spec))
     start = dict(build_model_bundle(settings.model, seed=0, loss=settings.loss).model.named_parameters())
     for part in ("siglip2.decoder.", "siglip2.global_head.", "siglip2.patch_head.", "siglip2.masker."):
-        moved = [n for n, p in a.params.items() if n.startswith(part) and not torch.equal(p, start[n].detach())]
+        moved = [
+            n for n, p in a.params.items() if n.startswith(part) and not torch.equal(p, start[n].detach())
+        ]
         assert moved, f"no parameter of {part} moved"
     # The teacher moved off the student's copy and toward it: neither its start nor the final student.
     assert float(a.teacher["center_global"].abs().sum()) > 0
