@@ -415,9 +415,7 @@ def _teacher_state(run) -> dict[str, torch.Tensor] | None:
     rt = run.built.siglip2
     if rt is None:
         return None
-    state = {
-        f"modules.{k}": v.detach().float().cpu().clone() for k, v in rt.teacher.modules.state_dict().items()
-    }
+    state = {f"modules.{k}": v for k, v in rt.teacher.full_state().items()}  # a collective under ZeRO-3
     state["center_global"] = rt.teacher.center_global.cpu().clone()
     state["center_patch"] = rt.teacher.center_patch.cpu().clone()
     return state

@@ -57,6 +57,13 @@ def token_module(visual: nn.Module) -> tuple[nn.Module, int]:
     return visual.transformer, 1
 
 
+def num_patches(visual: nn.Module) -> int:
+    if _is_timm(visual):
+        return int(visual.trunk.patch_embed.num_patches)
+    grid = visual.grid_size
+    return int(grid[0] * grid[1])
+
+
 def embed_module(visual: nn.Module) -> nn.Module:
     """The patch embedding, whose output the masker rewrites."""
     return visual.trunk.patch_embed if _is_timm(visual) else visual.conv1
@@ -125,10 +132,11 @@ class Siglip2Runtime:
     start_step: int = 0
     selfsup: bool = False
 
-    def start(self, *, total_steps: int, device: torch.device) -> None:
-        """The run's length is known: the first self-supervised step; the teacher on the engine's device."""
+    def start(self, *, total_steps: int, engine) -> None:
+        """The run's length is known: the first self-supervised step; the teacher beside the student's engine
+        (partitioned like it under ZeRO-3: a collective, every rank)."""
         self.start_step = selfsup_start_step(self.start_fraction, total_steps)
-        self.teacher.to(device)
+        self.teacher.start(engine)
 
     @property
     def terms(self) -> AuxTerms:
@@ -202,13 +210,8 @@ def _selfsup(
     tokens_at, prefix = token_module(visual)
     global_view = views.crops(image, 1, views.GLOBAL_SCALE)
     local = views.crops(image, rt.local_views, views.LOCAL_SCALE)
-    with torch.no_grad(), captured(token_module(teacher.visual)[0], b) as grab:
-        t_pooled = teacher.visual(global_view.float())
-        t_tokens = grab.output[:, prefix:]
-    mask = views.patch_mask(b, t_tokens.shape[1], rt.mask_ratio, image.device)
-    with torch.no_grad():
-        t_global = teacher.modules["global_head"](t_pooled)
-        t_patch = teacher.modules["patch_head"](t_tokens[mask])
+    mask = views.patch_mask(b, num_patches(visual), rt.mask_ratio, image.device)
+    t_global, t_patch = teacher(global_view, mask)
     with without_patch_dropout(visual):
         # SILC: each local view of a sample against the teacher's global view of it.
         s_local = parts.global_head(visual(local))
@@ -296,7 +299,9 @@ def attach(model: nn.Module, model_cfg: dict, loss, *, seed: int) -> Siglip2Runt
         student_temp=loss.siglip2_student_temp,
         pad_id=int(text_cfg.pad_id),
         start_fraction=loss.siglip2_selfsup_start,
-        teacher=EmaTeacher(visual, parts.global_head, parts.patch_head, loss.siglip2_teacher_momentum),
+        teacher=EmaTeacher(
+            visual, parts.global_head, parts.patch_head, loss.siglip2_teacher_momentum, tokens=token_module
+        ),
     )
     model.__dict__["_siglip2_runtime"] = rt  # not a submodule: DeepSpeed must not see the teacher
     model.forward = types.MethodType(_forward, model)

@@ -33,59 +33,114 @@ CENTER_MOMENTUM = 0.9
 """DINO's center momentum."""
 
 
+class TeacherNet(nn.Module):
+    """The teacher's modules and its forward: the image tower on the global view, its pooled output through the
+    global head, its patch tokens at the masked positions through the patch head."""
+
+    def __init__(self, visual: nn.Module, global_head: nn.Module, patch_head: nn.Module, tokens) -> None:
+        super().__init__()
+        self.visual, self.global_head, self.patch_head = visual, global_head, patch_head
+        self.tokens = tokens
+        """``(module, prefix)`` of ``ds_clip.siglip2.objective.token_module`` for this tower."""
+
+    def forward(self, image: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        module, prefix = self.tokens(self.visual)
+        grabbed = []
+        handle = module.register_forward_hook(lambda _m, _a, out: grabbed.append(out))
+        try:
+            pooled = self.visual(image)
+        finally:
+            handle.remove()
+        tokens = grabbed[-1]
+        if tokens.shape[0] != image.shape[0]:  # a sequence-first transformer
+            tokens = tokens.transpose(0, 1)
+        return self.global_head(pooled), self.patch_head(tokens[:, prefix:][mask])
+
+
 class EmaTeacher:
     resume_label = "SigLIP 2 teacher"
     """How the resume line names this checkpoint part."""
 
     def __init__(
-        self, visual: nn.Module, global_head: nn.Module, patch_head: nn.Module, momentum: float
+        self, visual: nn.Module, global_head: nn.Module, patch_head: nn.Module, momentum: float, tokens
     ) -> None:
-        # A plain container (not an attribute of the model): DeepSpeed never sees these parameters.
-        self.modules = nn.ModuleDict(
-            {
-                "visual": copy.deepcopy(visual),
-                "global_head": copy.deepcopy(global_head),
-                "patch_head": copy.deepcopy(patch_head),
-            }
-        ).float()
-        self.modules.requires_grad_(False).eval()
+        visual = copy.deepcopy(visual)
+        if hasattr(visual, "set_grad_checkpointing"):
+            visual.set_grad_checkpointing(False)  # it runs under no_grad: nothing to recompute
+        # Not an attribute of the model: the student's engine never sees these parameters.
+        self.net = TeacherNet(visual, copy.deepcopy(global_head), copy.deepcopy(patch_head), tokens).float()
+        self.net.requires_grad_(False).eval()
+        self.runner: nn.Module = self.net
+        """What runs the forward: the module itself, or under ZeRO-3 a DeepSpeed engine holding it partitioned."""
+        self.partitioned = False
         self.center_global = torch.zeros(global_head.prototypes.shape[0])
         self.center_patch = torch.zeros(patch_head.prototypes.shape[0])
         self.momentum = momentum
         self.ready = False
         """False until the first self-supervised step copies the student."""
 
-    def to(self, device: torch.device) -> EmaTeacher:
-        self.modules.to(device)
+    def start(self, engine) -> None:
+        """On the student engine's device; under ZeRO-3 partitioned like the student (an engine of its own with
+        no optimizer: its parameters gathered module by module in its forward, each rank keeping 1/W of them)."""
+        device = torch.device(engine.device)
         self.center_global = self.center_global.to(device)
         self.center_patch = self.center_patch.to(device)
-        return self
+        if engine.zero_optimization_stage() == 3:
+            import deepspeed
+
+            config = {
+                "train_micro_batch_size_per_gpu": 1,
+                "gradient_accumulation_steps": 1,
+                # No persistent parameters: a persistent one keeps a gathered copy its forward reads, which the
+                # partition-local EMA update below would not reach.
+                "zero_optimization": {
+                    "stage": 3,
+                    "stage3_param_persistence_threshold": 0,
+                    "stage3_model_persistence_threshold": 0,
+                },
+            }
+            self.runner, *_ = deepspeed.initialize(model=self.net, config=config)
+            self.runner.eval()
+            self.partitioned = True
+        else:
+            self.net.to(device)
+
+    def __call__(self, image: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            return self.runner(image.float(), mask)
 
     @property
     def visual(self) -> nn.Module:
-        return self.modules["visual"]
+        return self.net.visual
 
-    def _pairs(self, model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(teacher tensor, student parameter) by name: the image tower and the two heads."""
+    def _pairs(self, model: nn.Module) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """(teacher parameter, student parameter) by name: the image tower and the two heads."""
         student = {
             "visual": model.visual,
             "global_head": model.siglip2.global_head,
             "patch_head": model.siglip2.patch_head,
         }
         pairs = []
-        for key, mine in self.modules.items():
-            theirs = dict(student[key].named_parameters())
-            pairs += [(p, theirs[name]) for name, p in mine.named_parameters()]
+        for key, theirs in student.items():
+            mine = dict(getattr(self.net, key).named_parameters())
+            pairs += [(mine[name], p) for name, p in theirs.named_parameters()]
         return pairs
 
+    @torch.no_grad()
     def _with_student(self, model: nn.Module, update) -> None:
+        pairs = self._pairs(model)
+        if self.partitioned:
+            # Both partitioned by ZeRO-3 over the same ranks, parameter by parameter in the same layout: each rank
+            # updates its own partition from the student's, with no collective.
+            for t, s in pairs:
+                update(t.ds_tensor, s.ds_tensor.to(t.ds_tensor.device, torch.float32))
+            return
         import deepspeed
 
-        pairs = self._pairs(model)
-        # A no-op for parameters ZeRO-3 does not partition; a collective (all-gather) for those it does.
-        with deepspeed.zero.GatheredParameters([s for _, s in pairs], modifier_rank=None), torch.no_grad():
+        # A no-op for parameters ZeRO does not partition; an all-gather for those it does.
+        with deepspeed.zero.GatheredParameters([s for _, s in pairs], modifier_rank=None):
             for t, s in pairs:
-                update(t, s.detach().to(t.device, torch.float32))
+                update(t.data, s.detach().to(t.device, torch.float32))
 
     def reset_from(self, model: nn.Module) -> None:
         """The teacher becomes the student (and its centers zero): the first self-supervised step."""
@@ -106,10 +161,19 @@ class EmaTeacher:
             self.center_global.lerp_(sums[:k] / n_global, 1 - CENTER_MOMENTUM)
             self.center_patch.lerp_(sums[k:-2] / n_patch, 1 - CENTER_MOMENTUM)
 
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The teacher's weights whole, on the CPU (partitioned: gathered, a collective)."""
+        import deepspeed
+
+        params = list(self.net.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=self.partitioned):
+            return {k: v.detach().float().cpu().clone() for k, v in self.net.state_dict().items()}
+
     # ------------------------------------------------------------------ a checkpoint part
 
     def save_to(self, path: Path) -> list[Path]:
-        """Rank 0 writes the whole teacher (every rank holds the same one)."""
+        """Rank 0 writes the whole teacher (every rank calls it: partitioned, the weights are gathered)."""
+        weights = self.full_state()
         if distributed.rank() != 0:
             return []
         file = Path(path) / FILE
@@ -117,7 +181,7 @@ class EmaTeacher:
             "format": FORMAT,
             "ready": self.ready,
             "momentum": self.momentum,
-            "modules": {k: v.detach().cpu() for k, v in self.modules.state_dict().items()},
+            "modules": weights,
             "center_global": self.center_global.cpu(),
             "center_patch": self.center_patch.cpu(),
         }
@@ -141,7 +205,7 @@ class EmaTeacher:
                 f"{file}: a SigLIP 2 teacher of format {state.get('format')!r}, not {FORMAT}"
             )
         try:
-            self.modules.load_state_dict(state["modules"])
+            self._load_weights(state["modules"])
         except RuntimeError as exc:
             raise CheckpointError(
                 f"{file}: its teacher does not fit this model's image tower and heads (another --model or "
@@ -155,6 +219,15 @@ class EmaTeacher:
                 "SigLIP 2 teacher: momentum %s from here on (saved with %s)", self.momentum, state["momentum"]
             )
         return True
+
+    def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        import deepspeed
+
+        params = list(self.net.parameters())
+        # Partitioned: rank 0's values are partitioned to every rank as the context closes (a collective).
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=self.partitioned):
+            if not self.partitioned or distributed.rank() == 0:
+                self.net.load_state_dict(weights)
 
     def describe(self) -> str:
         return "SigLIP 2 teacher " + ("restored" if self.ready else "not started yet")

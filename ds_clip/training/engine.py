@@ -252,7 +252,7 @@ def build_engine(
         teacher.to(engine.device, input_dtype(engine))
     siglip2 = runtime_of(bundle.model)
     if siglip2 is not None:
-        siglip2.start(total_steps=total_steps, device=engine.device)
+        siglip2.start(total_steps=total_steps, engine=engine)
     loss_fn = ContrastiveLoss(
         LossSpec(
             siglip=loss.siglip,
