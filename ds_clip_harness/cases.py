@@ -111,6 +111,7 @@ def _matrix() -> list[Case]:
     # ZeRO-3 with activation checkpointing; the self-supervised terms join at the second of the three steps.
     cases += [Case("vit_siglip", stage, "fp32", SIGLIP, siglip2=True) for stage in (0, 1, 2)]
     cases += [Case("vit_siglip", 3, "fp32", SIGLIP, siglip2=True, grad_checkpointing=True)]
+    cases += [Case("vit_siglip", 2, "bf16", SIGLIP, siglip2=True)]
     return cases
 
 
@@ -138,7 +139,7 @@ CASES = _matrix() + (FP16_CASES if fp16_cases_run() else [])
 FP32_CASES = [c for c in CASES if c.precision == "fp32" and not c.siglip2]
 SIGLIP2_CASES = [c for c in CASES if c.siglip2]
 EMA_CASES = [c for c in CASES if c.ema]
-BF16_CASES = [c for c in CASES if c.precision == "bf16"]
+BF16_CASES = [c for c in CASES if c.precision == "bf16" and not c.siglip2]
 
 
 def spec_for(case: Case, models: dict[str, str], k: int) -> RunSpec:

@@ -85,7 +85,7 @@ def _runs_read(request) -> set[str] | None:
         if "case" in params:
             names.add(params["case"].name)
         elif test == "test_siglip2_teacher_partitioned_under_zero3_is_the_replicated_one":
-            names |= {c.name for c in SIGLIP2_CASES if c.zero_stage in (2, 3)}
+            names |= {c.name for c in SIGLIP2_CASES if c.zero_stage in (2, 3) and c.precision == "fp32"}
         elif test == "test_gradient_reductions_per_step":
             names |= {spec.name for spec in _count_specs({"vit": ""}, params["stage"])}
         elif test == "test_batchnorm_running_stats_count_each_sample_once":
@@ -217,7 +217,16 @@ def test_two_ranks_accum2_train_like_four_ranks(case, runs, models):
             assert diff <= 2e-2 * lr, f"{name}: max |diff| {diff:.2e}"
         return
     assert a.losses == pytest.approx(b.losses, rel=3e-2)
-    start = dict(build_model(models[case.model], seed=0).model.named_parameters())
+    if case.siglip2:  # the model as the run built it: SigLIP 2's parts attached
+        from ds_clip.config import parse_settings
+        from ds_clip.training.engine import build_model_bundle
+        from ds_clip_harness.runs import train_argv
+
+        settings = parse_settings(train_argv(spec_for(case, models, k=2)))
+        model = build_model_bundle(settings.model, seed=0, loss=settings.loss).model
+    else:
+        model = build_model(models[case.model], seed=0).model
+    start = dict(model.named_parameters())
     diff2 = moved2 = 0.0
     for name, pa in a.params.items():
         pb, p0 = b.params[name], start[name].detach().reshape(pa.shape)
@@ -243,18 +252,31 @@ def test_siglip2_terms_and_teacher_train_alike_on_2_ranks_accum2_and_4_ranks(cas
         assert [math.isnan(p["loss_silc"]) for p in r.parts] == [True, False, False]
         assert [math.isnan(p["loss_tips"]) for p in r.parts] == [True, False, False]
         assert all(math.isfinite(p["loss_locca"]) and math.isfinite(p["loss_contrastive"]) for p in r.parts)
+    # fp32 as the parameters (test_two_ranks_accum2_train_like_four_ranks); bf16: its gradients' rounding noise,
+    # which the teacher averages, so its difference is held to a share of its norm.
+    bf16 = case.precision == "bf16"
     for pa, pb in zip(a.parts, b.parts):
         for key in terms:
             if not math.isnan(pa[key]):
-                assert pa[key] == pytest.approx(pb[key], rel=1e-5), key
+                assert pa[key] == pytest.approx(pb[key], rel=3e-2 if bf16 else 1e-5), key
     lr = ADAM["lr"]
-    assert a.teacher.keys() == b.teacher.keys()
-    for name, ta in a.teacher.items():
-        diff = float((ta - b.teacher[name]).abs().max())
-        assert diff <= 2e-2 * lr, f"teacher {name}: max |diff| {diff:.2e}"
     spec = spec_for(case, models, k=2)
     settings = parse_settings(train_argv(spec))
     start = dict(build_model_bundle(settings.model, seed=0, loss=settings.loss).model.named_parameters())
+    assert a.teacher.keys() == b.teacher.keys()
+    diff2 = moved2 = 0.0
+    for name, ta in a.teacher.items():
+        if not bf16:
+            diff = float((ta - b.teacher[name]).abs().max())
+            assert diff <= 2e-2 * lr, f"teacher {name}: max |diff| {diff:.2e}"
+        elif name.startswith("modules."):  # bf16: test_two_ranks_accum2_train_like_four_ranks's rule
+            student = name[len("modules.") :]
+            student = student if student.startswith("visual.") else f"siglip2.{student}"
+            diff2 += float((ta - b.teacher[name]).pow(2).sum())
+            moved2 += float((ta - start[student].detach().float()).pow(2).sum())
+    if bf16:
+        ratio = (diff2 / moved2) ** 0.5
+        assert ratio <= 5e-2, f"the two teachers differ by {ratio:.1%} of how far the teacher moved"
     for part in ("siglip2.decoder.", "siglip2.global_head.", "siglip2.patch_head.", "siglip2.masker."):
         moved = [
             n for n, p in a.params.items() if n.startswith(part) and not torch.equal(p, start[n].detach())
@@ -268,7 +290,7 @@ def test_siglip2_teacher_partitioned_under_zero3_is_the_replicated_one(runs):
     """Under ZeRO-3 the teacher is partitioned like the student (its own engine, each rank's partition moved
     from the student's); under ZeRO-2 it is whole on every rank. The same run on both (ZeRO-3 with activation
     checkpointing, the same arithmetic) ends with the same teacher."""
-    (z2,) = [c for c in SIGLIP2_CASES if c.zero_stage == 2]
+    (z2,) = [c for c in SIGLIP2_CASES if c.zero_stage == 2 and c.precision == "fp32"]
     (z3,) = [c for c in SIGLIP2_CASES if c.zero_stage == 3]
     a, b = runs[(z2.name, 2)].teacher, runs[(z3.name, 2)].teacher
     assert a.keys() == b.keys()
