@@ -157,6 +157,14 @@ def dry_run(s: TrainSettings) -> None:
     print(json.dumps(settings_to_dict(s), indent=2))
     print(f"# batch: {geometry.describe()}{derived_k_text(s, world_size)}")
     print(f"# length: {length.describe()}")
+    if s.loss.siglip2:
+        from ds_clip.siglip2.objective import selfsup_start_step
+
+        start = selfsup_start_step(s.loss.siglip2_selfsup_start, length.total_steps)
+        print(
+            f"# --siglip2: sigmoid loss and LocCa decoder from step 1, self-distillation and masked prediction "
+            f"from step {start + 1} of {length.total_steps} (--siglip2-selfsup-start {s.loss.siglip2_selfsup_start:g})"
+        )
     warning = (
         json_schedule_warning(cfg, preset_label(ds.preset), length.total_steps)
         if "scheduler" in cfg
