@@ -14,10 +14,8 @@ Both self-supervised terms train from ``start_step`` on; before it they are not 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import types
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +27,15 @@ from ds_clip.siglip2 import views
 from ds_clip.siglip2.defaults import image_tower_width, siglip2_selfsup_weights
 from ds_clip.siglip2.parts import LocCaDecoder, Siglip2Parts
 from ds_clip.siglip2.teacher import EmaTeacher
+from ds_clip.siglip2.towers import (
+    captured,
+    embed_module,
+    is_timm,
+    masked,
+    num_patches,
+    token_module,
+    without_patch_dropout,
+)
 from ds_clip.step.aux import AuxTerms
 from ds_clip.step.caption import chunked_token_loss_sum
 
@@ -40,76 +47,6 @@ PREFIX = "siglip2."
 
 class Siglip2Error(UserError):
     """--siglip2 on a model it cannot train (exit 2)."""
-
-
-# ------------------------------------------------------------------------------- where the image tower is read
-
-
-def _is_timm(visual: nn.Module) -> bool:
-    return hasattr(visual, "trunk")
-
-
-def token_module(visual: nn.Module) -> tuple[nn.Module, int]:
-    """The module whose output is the image tower's token sequence [B, T, D] (outside any activation checkpoint,
-    so its output keeps its graph), and how many of the T tokens precede the patches."""
-    if _is_timm(visual):
-        return visual.trunk.norm, int(getattr(visual.trunk, "num_prefix_tokens", 1))
-    return visual.transformer, 1
-
-
-def num_patches(visual: nn.Module) -> int:
-    if _is_timm(visual):
-        return int(visual.trunk.patch_embed.num_patches)
-    grid = visual.grid_size
-    return int(grid[0] * grid[1])
-
-
-def embed_module(visual: nn.Module) -> nn.Module:
-    """The patch embedding, whose output the masker rewrites."""
-    return visual.trunk.patch_embed if _is_timm(visual) else visual.conv1
-
-
-class _Grab:
-    output: torch.Tensor | None = None
-
-
-@contextlib.contextmanager
-def captured(module: nn.Module, batch: int) -> Iterator[_Grab]:
-    grab = _Grab()
-
-    def hook(_m, _args, out):
-        out = out[0] if isinstance(out, tuple) else out
-        grab.output = out if out.shape[0] == batch else out.transpose(0, 1)  # a sequence-first transformer
-
-    handle = module.register_forward_hook(hook)
-    try:
-        yield grab
-    finally:
-        handle.remove()
-
-
-@contextlib.contextmanager
-def without_patch_dropout(visual: nn.Module) -> Iterator[None]:
-    """FLIP's patch dropout (the model's config or --force-patch-dropout) applies to the image the sigmoid loss and
-    the decoder see, not to the self-supervised views: masked prediction needs every patch at its position."""
-    droppers = [m for m in visual.modules() if type(m).__name__ == "PatchDropout" and getattr(m, "prob", 0)]
-    probs = [m.prob for m in droppers]
-    for m in droppers:
-        m.prob = 0.0
-    try:
-        yield
-    finally:
-        for m, p in zip(droppers, probs):
-            m.prob = p
-
-
-@contextlib.contextmanager
-def masked(module: nn.Module, masker: nn.Module, mask: torch.Tensor) -> Iterator[None]:
-    handle = module.register_forward_hook(lambda _m, _args, out: masker(out, mask))
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 # ------------------------------------------------------------------------------------------- the objective
@@ -269,7 +206,7 @@ def attach(model: nn.Module, model_cfg: dict, loss, *, seed: int) -> Siglip2Runt
             "--siglip2 on a CoCa model: SigLIP 2 brings its own decoder (LocCa); use a SigLIP model"
         )
     visual = model.visual
-    if not (_is_timm(visual) or isinstance(visual, open_clip.transformer.VisionTransformer)):
+    if not (is_timm(visual) or isinstance(visual, open_clip.transformer.VisionTransformer)):
         raise Siglip2Error(f"--siglip2 needs a ViT image tower; this --model's is a {type(visual).__name__}")
     text_cfg = open_clip.model.CLIPTextCfg(**model_cfg.get("text_cfg", {}))
     width = image_tower_width(visual)
@@ -299,9 +236,7 @@ def attach(model: nn.Module, model_cfg: dict, loss, *, seed: int) -> Siglip2Runt
         student_temp=loss.siglip2_student_temp,
         pad_id=int(text_cfg.pad_id),
         start_fraction=loss.siglip2_selfsup_start,
-        teacher=EmaTeacher(
-            visual, parts.global_head, parts.patch_head, loss.siglip2_teacher_momentum, tokens=token_module
-        ),
+        teacher=EmaTeacher(visual, parts.global_head, parts.patch_head, loss.siglip2_teacher_momentum),
     )
     model.__dict__["_siglip2_runtime"] = rt  # not a submodule: DeepSpeed must not see the teacher
     model.forward = types.MethodType(_forward, model)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ds_clip import distributed
+from ds_clip.siglip2.towers import captured, token_module
 
 logger = logging.getLogger("ds_clip")
 
@@ -37,24 +38,15 @@ class TeacherNet(nn.Module):
     """The teacher's modules and its forward: the image tower on the global view, its pooled output through the
     global head, its patch tokens at the masked positions through the patch head."""
 
-    def __init__(self, visual: nn.Module, global_head: nn.Module, patch_head: nn.Module, tokens) -> None:
+    def __init__(self, visual: nn.Module, global_head: nn.Module, patch_head: nn.Module) -> None:
         super().__init__()
         self.visual, self.global_head, self.patch_head = visual, global_head, patch_head
-        self.tokens = tokens
-        """``(module, prefix)`` of ``ds_clip.siglip2.objective.token_module`` for this tower."""
 
     def forward(self, image: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        module, prefix = self.tokens(self.visual)
-        grabbed = []
-        handle = module.register_forward_hook(lambda _m, _a, out: grabbed.append(out))
-        try:
+        module, prefix = token_module(self.visual)
+        with captured(module, image.shape[0]) as grab:
             pooled = self.visual(image)
-        finally:
-            handle.remove()
-        tokens = grabbed[-1]
-        if tokens.shape[0] != image.shape[0]:  # a sequence-first transformer
-            tokens = tokens.transpose(0, 1)
-        return self.global_head(pooled), self.patch_head(tokens[:, prefix:][mask])
+        return self.global_head(pooled), self.patch_head(grab.output[:, prefix:][mask])
 
 
 class EmaTeacher:
@@ -62,13 +54,13 @@ class EmaTeacher:
     """How the resume line names this checkpoint part."""
 
     def __init__(
-        self, visual: nn.Module, global_head: nn.Module, patch_head: nn.Module, momentum: float, tokens
+        self, visual: nn.Module, global_head: nn.Module, patch_head: nn.Module, momentum: float
     ) -> None:
         visual = copy.deepcopy(visual)
         if hasattr(visual, "set_grad_checkpointing"):
             visual.set_grad_checkpointing(False)  # it runs under no_grad: nothing to recompute
         # Not an attribute of the model: the student's engine never sees these parameters.
-        self.net = TeacherNet(visual, copy.deepcopy(global_head), copy.deepcopy(patch_head), tokens).float()
+        self.net = TeacherNet(visual, copy.deepcopy(global_head), copy.deepcopy(patch_head)).float()
         self.net.requires_grad_(False).eval()
         self.runner: nn.Module = self.net
         """What runs the forward: the module itself, or under ZeRO-3 a DeepSpeed engine holding it partitioned."""
