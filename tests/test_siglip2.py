@@ -3,8 +3,8 @@ runs) on 2 ranks over gloo, on webdataset shards whose samples carry box annotat
 defaults otherwise (random crops, --workers 1).
 
 One process group trains every run: on each ZeRO stage an uninterrupted run of 4 steps (k=2, m=2) whose
-self-supervised terms join at step 3 (--siglip2-selfsup-start 0.5), saved at every step, and a run resumed from
-its step 2 (before the switch: the resumed run crosses it) or step 3 (after it: the teacher is restored). The
+self-supervised terms join at step 3 (--siglip2-selfsup-start 0.5), and a run resumed from its checkpoint at step
+2 (before the switch: the resumed run crosses it) or step 3 (after it: the teacher is restored). The
 (W, k) splits of the same objective are proven in tests/test_equivalence.py (its siglip2 cases). The heads are small
 and two local views are drawn (SIGLIP2_TEST_FLAGS): the arithmetic of the defaults, in less time.
 """
@@ -41,7 +41,7 @@ def _args(model: str, logs: Path, shards: str, name: str, zero: int, *extra: str
     return [
         "--model", model, "--siglip2", "--batch-size", str(M), "--accum-freq", "2", "--max-steps", str(STEPS),
         "--log-every-n-steps", "1", "--logs", str(logs), "--name", name, "--zero-stage", str(zero),
-        "--lr", "1e-3", "--eps", "1e-4", "--warmup", "1", "--save-every-n-steps", "1",
+        "--lr", "1e-3", "--eps", "1e-4", "--warmup", "1",
         "--train-data", shards, "--dataset-type", "webdataset", "--report-to", "csv",
         "--siglip2-selfsup-start", "0.5", *SIGLIP2_TEST_FLAGS, *extra,
     ]  # fmt: skip
@@ -61,7 +61,8 @@ def _train(argv: list[str]) -> None:
 def _group(model: str, logs: Path, shards: str) -> None:
     for z in STAGES:
         report = ["--report-to", "csv,tensorboard,wandb"] if z == 3 else []
-        _train(_args(model, logs, shards, f"full_z{z}", z, *report))
+        # Saved where the resumed run starts (and at the end, as every run is).
+        _train(_args(model, logs, shards, f"full_z{z}", z, "--save-every-n-steps", str(RESUME_AT[z]), *report))
         resume = ["--resume", str(_ckpt(logs, f"full_z{z}", RESUME_AT[z]))]
         _train(_args(model, logs, shards, f"res_z{z}", z, *resume))
 
