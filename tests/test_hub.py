@@ -11,6 +11,10 @@ download, the cache layout) is open_clip's and huggingface_hub's own.
 The tests marked `newest_clients` take each path through the hub client once (a tag's weights offline, cached and
 fetched; an hf-hub: model with its hub tokenizer through transformers under the launcher; the client's errors;
 timm's weights): tests/test_install.py runs them again with the newest transformers and huggingface_hub.
+
+`--resume latest` on a first start (nothing saved yet) loads the published weights, never random ones: a tag's in
+the two-host test, an hf-hub: model's in the fetch-once test, a local-dir: model's own in
+tests/test_feature_pairs.py (run 1); the table of where a start's weights come from is tests/test_weights.py.
 """
 
 from __future__ import annotations
@@ -206,18 +210,23 @@ def test_offline_uncached_is_refused_and_dry_run_lists_the_files(hub, tmp_path):
 @pytest.mark.newest_clients
 def test_two_ranks_fetch_once_lock_image_keeps_the_hub_tower_and_resume_fetches_nothing(hub, tmp_path):
     """`deepspeed --num_gpus 2 --module ds_clip.train --model hf-hub:ORG/REPO` (a hub tokenizer in another repo)
-    on ZeRO-3 with --lock-image: each file is downloaded once (local rank 0 fetches, the other rank waits and
-    reads the cache); the exported image tower is bit-identical to the hub's and the text tower trained.
-    `--resume latest` makes no request at all (the checkpoint holds the weights), and an offline run from the
-    filled cache makes none either."""
+    on ZeRO-3 with --lock-image and `--resume latest` from the very first start (the one command of a re-queued
+    job): each file is downloaded once (local rank 0 fetches, the other rank waits and reads the cache); with
+    nothing saved yet the run starts from the hub's weights, never from random ones, and says so; the exported
+    image tower is bit-identical to the hub's and the text tower trained. The same command again makes no
+    request at all (the checkpoint holds the weights), and an offline run from the filled cache makes none
+    either."""
     hub.reset()
     env = _env(hub, tmp_path / "hf")
     # --skip-scheduler: a constant LR, so the resumed step still moves the text tower (a cosine schedule restored
     # from the 2-step run would be at its end, LR 0).
-    lit = ("--zero-stage", "3", "--lock-image", "--skip-scheduler")
+    lit = ("--zero-stage", "3", "--lock-image", "--skip-scheduler", "--resume", "latest")
     args = _train_args(f"hf-hub:{HUB_MODEL}", tmp_path / "logs", "hub", *lit)
     proc = _run(launch.deepspeed(*args), env)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    start = [ln for ln in out.splitlines() if "no complete checkpoint" in ln]
+    assert start and f"the weights of --model hf-hub:{HUB_MODEL}" in start[0], (start, out[-3000:])
     for repo, name in (
         (HUB_MODEL, "open_clip_config.json"),
         (HUB_MODEL, WEIGHTS),
@@ -234,7 +243,7 @@ def test_two_ranks_fetch_once_lock_image_keeps_the_hub_tower_and_resume_fetches_
 
     hub.reset()
     more = _train_args(f"hf-hub:{HUB_MODEL}", tmp_path / "logs", "hub", *lit, steps=3)
-    proc = _run(launch.deepspeed(*more, "--resume", "latest"), env)
+    proc = _run(launch.deepspeed(*more), env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "at step 2" in out, out[-4000:]
     assert hub.total() == 0, dict(hub.requests)
@@ -254,14 +263,16 @@ def test_two_ranks_fetch_once_lock_image_keeps_the_hub_tower_and_resume_fetches_
 @pytest.mark.slow
 def test_real_tag_on_two_hosts_fetches_once_per_host_and_first_eval_equals_open_clips(hub, tmp_path):
     """Two hosts (two torchrun agents, one rank each, each with its own cache) train ViT-B-32 from the real tag
-    laion2b_s34b_b79k: each host downloads the weights once. With --lr 1e-12 the one step moves no weight by
-    more than 1e-12 (below float32's resolution of almost all of them; --lr must be > 0), so the run's
-    evaluation is its evaluation of the tag's weights, and it equals ds-clip-eval's evaluation of open_clip.create_model_and_transforms("ViT-B-32",
+    laion2b_s34b_b79k, with `--resume latest` from the very first start (the one command of a re-queued job):
+    each host downloads the weights once, and with nothing saved yet the run says it starts from the tag. With
+    --lr 1e-12 the one step moves no weight by more than 1e-12 (below float32's resolution of almost all of them;
+    --lr must be > 0), so the run's evaluation is its evaluation of the tag's weights, never of random ones, and it
+    equals ds-clip-eval's evaluation of open_clip.create_model_and_transforms("ViT-B-32",
     pretrained="laion2b_s34b_b79k") read offline from one host's cache (no request)."""
     hub.reset()
     port = launch.free_port()
     args = _train_args("ViT-B-32", tmp_path / "logs", "tag", "--pretrained", "laion2b_s34b_b79k", "--lr", "1e-12",
-                       "--val-data", "synthetic", "--val-num-samples", "64", steps=1)  # fmt: skip
+                       "--val-data", "synthetic", "--val-num-samples", "64", "--resume", "latest", steps=1)  # fmt: skip
     procs = []
     for node in (0, 1):
         cmd = launch.torchrun(*args, nodes=2, node_rank=node, port=port)
@@ -271,6 +282,8 @@ def test_real_tag_on_two_hosts_fetches_once_per_host_and_first_eval_equals_open_
     errors = [ln for o in outs for ln in o.splitlines() if "error" in ln.lower()]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(errors[:20]) or outs[0][-3000:]
     assert hub.gets(TAG_REPO, WEIGHTS) == 2, dict(hub.requests)
+    start = [ln for o in outs for ln in o.splitlines() if "no complete checkpoint" in ln]
+    assert start and "the model starts from --pretrained laion2b_s34b_b79k" in start[0], start
     for node in (0, 1):
         assert list((tmp_path / f"host{node}" / "hub").glob(f"models--laion--*/snapshots/*/{WEIGHTS}"))
     evaluated = json.loads((tmp_path / "logs" / "tag" / "eval_results.json").read_text())[-1]
@@ -419,41 +432,3 @@ def test_distill_from_a_pretrained_tag_fetches_the_teacher_once_per_host(hub, tm
     settings = json.loads((tmp_path / "logs" / "distill" / "settings.json").read_text())
     assert (settings["distill_model"], settings["distill_pretrained"]) == ("ViT-B-32", "laion2b_s34b_b79k")
     assert (tmp_path / "logs" / "distill" / "checkpoints" / "latest_complete").exists()
-
-
-@pytest.mark.e2e
-@pytest.mark.slow
-def test_resume_latest_on_a_first_start_loads_the_published_weights(hub, tmp_path):
-    """`--resume latest` from the very first start (the one command of a re-queued job), under
-    `deepspeed --num_gpus 2` with --lock-image: with nothing saved yet the run starts from the published weights,
-    never from random ones, for an open_clip tag (--pretrained laion2b_s34b_b79k), an hf-hub: model, and a
-    local-dir: model's own weights; the log says where the weights came from. The locked image tower comes out
-    of training and export bit-identical to the published one."""
-    from ds_clip_harness.models import write_pretrained_dir
-
-    local = write_pretrained_dir(tmp_path / "local", E2E_MODEL, seed=14)
-    local_state = _local_state(tmp_path / "local")
-    cases = [
-        ("tag", "ViT-B-32", ("--pretrained", "laion2b_s34b_b79k"), hub.states[TAG_REPO], "--pretrained"),
-        ("hub", f"hf-hub:{HUB_MODEL}", (), hub.states[HUB_MODEL], "--model hf-hub:"),
-        ("local", local, (), local_state, "--model local-dir:"),
-    ]
-    env = _env(hub, tmp_path / "hf")
-    for name, model, extra, published, said in cases:
-        args = _train_args(
-            model, tmp_path / "logs", name, *extra, "--lock-image", "--resume", "latest", steps=1
-        )
-        proc = _run(launch.deepspeed(*args), env)
-        out = proc.stdout + proc.stderr
-        assert proc.returncode == 0, out[-4000:]
-        exported = _exported(tmp_path / "logs" / name, tmp_path / f"export-{name}", env)
-        visual = [k for k in published if k.startswith("visual.")]
-        assert visual and all(torch.equal(exported[k], published[k]) for k in visual), name
-        start = [ln for ln in out.splitlines() if "no complete checkpoint" in ln]
-        assert start and said in start[0], (name, start, out[-3000:])
-
-
-def _local_state(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(folder / WEIGHTS))

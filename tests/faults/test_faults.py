@@ -407,35 +407,34 @@ def _files(folder: Path) -> dict[str, tuple[int, int]]:
 
 
 def test_a_finished_run_relaunched_and_a_rewritten_step_never_leave_latest_on_a_partial_folder(
-    model_dir, tmp_path
+    model_dir, tmp_path, reference
 ):
-    """A finished run (4 steps, saved at 2 and 4) launched again with --resume latest, as a re-queued job is,
-    with rank 1 set to die inside any save of step 4: it says the run already finished at step 4 and exits 0
-    without saving, every checkpoint file untouched. Then a resume from step 2 trains steps 3-4 again and
-    rewrites step 4, rank 1 dying halfway: latest_complete has already moved back to step 2 (never naming the
-    folder being rewritten), so `--resume latest` removes the partial step 4, resumes at step 2 and ends with
-    the first run's step-4 weights."""
-    args = _args(model_dir, tmp_path, "again", "--save-every-n-steps", "2", steps=4)
-    ran = _deepspeed(args)
-    assert ran.returncode == 0, ran.out[-4000:]
+    """A finished run (the unfaulted reference's 6 steps, saved at 2, 4 and 6, copied) launched again with
+    --resume latest, as a re-queued job is, with rank 1 set to die inside any save of step 6: it says the run
+    already finished at step 6 and exits 0 without saving, every checkpoint file untouched. Then a resume from
+    step 4 trains steps 5-6 again and rewrites step 6, rank 1 dying halfway: latest_complete has already moved
+    back to step 4 (never naming the folder being rewritten), so `--resume latest` removes the partial step 6,
+    resumes at step 4 and ends with the finished run's step-6 weights."""
     run = tmp_path / "again"
-    first = _weights(run, 4)
+    shutil.copytree(reference, run)  # the same flags as `args`: what training them from scratch would leave
+    args = _args(model_dir, tmp_path, "again", "--save-every-n-steps", "2")
+    first = _weights(run, 6)
     before = _files(run / "checkpoints")
 
-    ran = _deepspeed([*args, "--resume", "latest"], fault="kill-in-save@4:1")
+    ran = _deepspeed([*args, "--resume", "latest"], fault="kill-in-save@6:1")
     assert ran.returncode == 0, ran.out[-4000:]
-    assert "already finished at step 4" in ran.out, ran.out[-3000:]
+    assert "already finished at step 6" in ran.out, ran.out[-3000:]
     assert _files(run / "checkpoints") == before
 
-    step2 = str(run / "checkpoints" / _tag(2))
-    ran = _deepspeed([*args, "--resume", step2], fault="kill-in-save@4:1")
+    step4 = str(run / "checkpoints" / _tag(4))
+    ran = _deepspeed([*args, "--resume", step4], fault="kill-in-save@6:1")
     assert ran.returncode != 0, ran.out[-4000:]
-    assert _latest(run) == _tag(2)
-    assert not (run / "checkpoints" / _tag(4) / "COMPLETE").exists()
-    ran = _deepspeed([*args, "--resume", "latest"])
-    assert ran.returncode == 0 and "at step 2" in ran.out, ran.out[-4000:]
     assert _latest(run) == _tag(4)
-    _assert_same_weights(_weights(run, 4), first)
+    assert not (run / "checkpoints" / _tag(6) / "COMPLETE").exists()
+    ran = _deepspeed([*args, "--resume", "latest"])
+    assert ran.returncode == 0 and "at step 4" in ran.out, ran.out[-4000:]
+    assert _latest(run) == _tag(6)
+    _assert_same_weights(_weights(run, 6), first)
 
 
 # ------------------------------------------------------------------------------- 5. unwritable output
