@@ -8,6 +8,7 @@ plain-step baseline and its ratios, and the --report path that re-renders saved 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -195,3 +196,43 @@ def test_exactness_cost_phases_name_where_each_side_spends_its_step(tmp_path):
     cached = {f"ds_clip.step.{p}" for p in ("embed", "loss", "push_back", "optimizer")}
     plain = {f"plain.{p}" for p in ("forward", "loss_backward", "optimizer")}
     assert set(phases) == cached | plain and all(v > 0 for v in phases.values()), phases
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--k", "0"], "--k"),
+        (["--warmup", "0"], "--warmup"),
+        (["--models", "no-such-model"], "--models"),
+        (["--count-flops", "no-such-model"], "--count-flops"),
+    ],
+)
+def test_siglip2_bad_arguments_name_the_flag(capsys, argv, flag):
+    from benchmarks import bench_siglip2
+
+    with pytest.raises(SystemExit) as e:
+        bench_siglip2.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "benchmarks/bench_siglip2.py: error:" in err and flag in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_siglip2_after_the_start_trains_every_term_and_reports(tmp_path, capsys):
+    """benchmarks/bench_siglip2.py: one row past the self-supervised start (small heads, two local views) times a
+    step whose objective holds all four terms, with the teacher's EMA after it, and counts what --siglip2 adds."""
+    from benchmarks import bench_siglip2
+
+    out = tmp_path / "siglip2.json"
+    small = ["--siglip2-prototypes=256", "--siglip2-patch-prototypes=64", "--siglip2-local-views=2"]
+    argv = ["--configs", "siglip2 after", "--k", "1", "--batch-size", "2", "--steps", "1", "--warmup", "1",
+            "--json", str(out), *(f"--siglip2-flag={f}" for f in small)]  # fmt: skip
+    assert bench_siglip2.main(argv) == 0
+    assert "| ds-clip-tiny-siglip | 1 | 2 | siglip2 after |" in capsys.readouterr().out
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["selfsup"] and run["first_step"] == 800_000  # 0.8 of the 10**6 steps the schedule is built for
+    assert set(run["parts"]) >= {"loss_contrastive", "loss_locca", "loss_silc", "loss_tips"}
+    assert all(math.isfinite(v) for v in run["parts"].values()), run["parts"]
+    assert len(run["step_s"]) == 1 and run["after_update_s"][0] > 0 and run["peak_mib"] >= run["base_mib"] > 0
+    assert 0 < run["siglip2_params"] < run["params"] and run["teacher_params"] > 0
+    assert run["flops"] > 0
