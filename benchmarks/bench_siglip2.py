@@ -25,10 +25,11 @@ A step is what the trainer does per optimizer step: ``RunStep.train`` (the cache
 no-grad forward, the loss, micro-batch 0's kept graph and k - 1 recomputed forwards with their backwards, the
 optimizer) and ``RunStep.after_update`` (after a self-supervised step: the teacher's EMA and centers; else
 nothing). Time: the median over --steps timed steps after --warmup untimed ones (data generated outside them),
-``after_update`` also kept apart. Memory as in bench_accum.py (its ``MemoryMeter``): peak RSS of one more, untimed
-step, and its own growth over the RSS before it. Parameters: those the optimizer trains (the model and, under
---siglip2, the decoder, the two self-distillation heads and the mask token) and the teacher's (an fp32 copy of
-the image tower and the two heads, held from the start: it exists before the self-supervised start too).
+wall and CPU time of the process, ``after_update`` also kept apart. Memory as in bench_accum.py (its
+``MemoryMeter``): peak RSS of one more, untimed step, and its own growth over the RSS before it. Parameters: those
+the optimizer trains (the model and, under --siglip2, the decoder, the two self-distillation heads and the mask
+token) and the teacher's (an fp32 copy of the image tower and the two heads, held from the start: it exists before
+the self-supervised start too).
 
 FLOPs (what a step's time should follow where matrix products dominate): one training-mode forward per pair,
 every term of the row included, counted by torch's FlopCounterMode (matrix products and convolutions).
@@ -130,13 +131,16 @@ def _entry(payload: dict) -> dict[str, Any]:
 
     meter = MemoryMeter(payload["device"])
     warmup, steps = payload["warmup"], payload["steps"]
-    times, after_times, parts = [], [], {}
+    times, cpu_times, after_times, parts = [], [], [], {}
     for i in range(warmup + steps):
         data = batches(i)  # generated outside the timed region
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         result, after_s = one_step(i, data)
         if i >= warmup:
             times.append(time.perf_counter() - t)
+            # CPU time of this process (every thread): on a shared machine wall time also holds the time the
+            # process waited for a core; CPU time does not.
+            cpu_times.append(time.process_time() - c)
             after_times.append(after_s)
         parts = {name: float(v) for name, v in (result.parts or {}).items()}
     data = batches(warmup + steps)
@@ -156,7 +160,7 @@ def _entry(payload: dict) -> dict[str, Any]:
     stage = run.engine.zero_optimization_stage()
     run.engine.destroy()
     return {
-        "step_s": times, "after_update_s": after_times, "peak_mib": peak, "base_mib": base,
+        "step_s": times, "cpu_s": cpu_times, "after_update_s": after_times, "peak_mib": peak, "base_mib": base,
         "loss": float(result.loss), "parts": parts, "selfsup": bool(rt is not None and rt.selfsup),
         "first_step": first, "params": trained, "siglip2_params": added, "teacher_params": teacher,
         "zero_stage": int(stage), "phases_s": phases, "flops": flops,
@@ -249,10 +253,12 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in runs:
         step = statistics.median(r["step_s"])
         base = plain.get((r["model"], r["k"]))
+        cpu = statistics.median(r["cpu_s"])
         out.append(
             {
                 "model": r["model"], "config": r["config"], "k": r["k"], "N": r["k"] * r["m"], "step_s": step,
                 "vs_siglip": step / statistics.median(base["step_s"]) if base else None,
+                "cpu_s": cpu, "cpu_vs_siglip": cpu / statistics.median(base["cpu_s"]) if base else None,
                 "after_update_s": statistics.median(r["after_update_s"]), "peak_mib": r["peak_mib"],
                 "transient_mib": r["peak_mib"] - r["base_mib"], "params_m": r["params"] / 1e6,
                 "siglip2_params_m": r["siglip2_params"] / 1e6, "teacher_params_m": r["teacher_params"] / 1e6,
@@ -269,14 +275,15 @@ def _ratio(x: float | None) -> str:
 
 def markdown(summary: list[dict[str, Any]], counted: dict[str, dict[str, float]] | None = None) -> str:
     lines = [
-        "| model | k | N | step | s/step | × --siglip | of it: teacher EMA s | peak (step's own) MiB | "
+        "| model | k | N | step | s/step (CPU s) | × --siglip (CPU) | of it: teacher EMA s | peak (step's own) MiB | "
         "trained params M (added) | teacher params M | forward GFLOP/pair (× --siglip) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary:
         lines.append(
-            f"| {r['model']} | {r['k']} | {r['N']} | {r['config']} | {r['step_s']:.3f} | "
-            f"{_ratio(r['vs_siglip'])} | {r['after_update_s']:.3f} | {r['peak_mib']:.0f} ({r['transient_mib']:.0f}) | "
+            f"| {r['model']} | {r['k']} | {r['N']} | {r['config']} | {r['step_s']:.3f} ({r['cpu_s']:.3f}) | "
+            f"{_ratio(r['vs_siglip'])} ({_ratio(r['cpu_vs_siglip'])}) | {r['after_update_s']:.3f} | "
+            f"{r['peak_mib']:.0f} ({r['transient_mib']:.0f}) | "
             f"{r['params_m']:.1f} (+{r['siglip2_params_m']:.1f}) | {r['teacher_params_m']:.1f} | "
             f"{r['forward_gflop_per_pair']:.3f} ({_ratio(r['flops_vs_siglip'])}) |"
         )
