@@ -12,32 +12,33 @@ Three configurations of the step ``ds-clip-train`` builds (``ds_clip.training.wi
 same model, m, k, precision and W = 1, each in a fresh process, per model and k in this order:
 
 * **siglip**: ``--siglip``, the sigmoid loss alone.
-* **siglip2 before**: ``--siglip2`` at the flags' defaults, steps before ``--siglip2-selfsup-start``: the sigmoid
-  loss and the LocCa decoder over the image tower's tokens (captioning only: generated pairs carry no boxes).
+* **siglip2 before**: ``--siglip2`` at the flags' defaults, steps before ``--siglip2-selfsup-start``: the
+  sigmoid loss and the LocCa decoder over the image tower's tokens (captioning only: generated pairs carry no
+  boxes).
 * **siglip2 after**: the same run at steps from the self-supervised start on (``Siglip2Runtime.begin_step``
-  turns SILC and TIPS on at ``step >= start_step``; the step index is offset to start there, the rest of the run
-  is the same): the decoder, SILC self-distillation (``--siglip2-local-views`` local views per image, each at the
-  model's input size, through the student's image tower; the EMA teacher's forward on a global view) and TIPS
-  masked prediction (a second student forward on the masked global view). Its first (untimed) step copies the
-  student into the teacher.
+  turns SILC and TIPS on at ``step >= start_step``; the step index is offset to start there, the rest of the
+  run is the same): the decoder, SILC self-distillation (``--siglip2-local-views`` local views per image,
+  each at the model's input size, through the student's image tower; the EMA teacher's forward on a global
+  view) and TIPS masked prediction (a second student forward on the masked global view). Its first (untimed)
+  step copies the student into the teacher.
 
 A step is what the trainer does per optimizer step: ``RunStep.train`` (the cached step: every micro-batch's
 no-grad forward, the loss, micro-batch 0's kept graph and k - 1 recomputed forwards with their backwards, the
 optimizer) and ``RunStep.after_update`` (after a self-supervised step: the teacher's EMA and centers; else
 nothing). Time: the median over --steps timed steps after --warmup untimed ones (data generated outside them),
 wall and CPU time of the process, ``after_update`` also kept apart. Memory as in bench_accum.py (its
-``MemoryMeter``): peak RSS of one more, untimed step, and its own growth over the RSS before it. Parameters: those
-the optimizer trains (the model and, under --siglip2, the decoder, the two self-distillation heads and the mask
-token) and the teacher's (an fp32 copy of the image tower and the two heads, held from the start: it exists before
-the self-supervised start too).
+``MemoryMeter``): peak RSS of one more, untimed step, and its own growth over the RSS before it. Parameters:
+those the optimizer trains (the model and, under --siglip2, the decoder, the two self-distillation heads and
+the mask token) and the teacher's (an fp32 copy of the image tower and the two heads, held from the start: it
+exists before the self-supervised start too).
 
 FLOPs (what a step's time should follow where matrix products dominate): one training-mode forward per pair,
 every term of the row included, counted by torch's FlopCounterMode (matrix products and convolutions).
-``--count-flops MODEL``: the same count on a model too large to time here (``ViT-B-16-SigLIP2``, random weights),
-to tell what the timed model's ratios stand for.
+``--count-flops MODEL``: the same count on a model too large to time here (``ViT-B-16-SigLIP2``, random
+weights), to tell what the timed model's ratios stand for.
 
-``--phases``: one more step under torch.profiler, split by the cached step's own ranges (``ds_clip.step.embed``,
-``.loss``, ``.push_back``, ``.optimizer``) and ``after_update`` (the teacher's EMA).
+``--phases``: one more step under torch.profiler, split by the cached step's own ranges
+(``ds_clip.step.embed``, ``.loss``, ``.push_back``, ``.optimizer``) and ``after_update`` (the teacher's EMA).
 """
 
 from __future__ import annotations
@@ -60,10 +61,11 @@ from benchmarks.bench_accum import MemoryMeter, _write_json, bench_config_dir, m
 MODEL = "ds-clip-tiny-siglip"
 CONFIGS = ("siglip", "siglip2 before", "siglip2 after")
 BENCH_MODEL = "sigmoid-bench-w256"
-"""A SigLIP model (a logit_bias; the name without "siglip", so the CLIP tokenizer is built, not fetched) whose
-forward FLOPs per pair under each row stand to the plain row's as ViT-B-16-SigLIP2's do (1.8x before the start,
-9.4x after, against B/16's 1.7x and 9.4x: --count-flops): ds-clip-tiny-siglip's 2-layer towers of width 128 over
-16 patches make the decoder's 49408-way output layer and the heads' 65536 prototypes 11x and 25x its forward."""
+"""A SigLIP model (a logit_bias; the name without "siglip", so the CLIP tokenizer is built, not fetched)
+whose forward FLOPs per pair under each row stand to the plain row's as ViT-B-16-SigLIP2's do (1.8x before the
+start, 9.4x after, against B/16's 1.7x and 9.4x: --count-flops): ds-clip-tiny-siglip's 2-layer towers of width
+128 over 16 patches make the decoder's 49408-way output layer and the heads' 65536 prototypes 11x and 25x its
+forward."""
 SIGMOID_BENCH_W256 = {
     "embed_dim": 256,
     "init_logit_bias": -10,
@@ -73,7 +75,8 @@ SIGMOID_BENCH_W256 = {
 
 
 def register_model() -> None:
-    """Write sigmoid-bench-w256 into bench_accum's config folder and register it with open_clip (every process)."""
+    """Write sigmoid-bench-w256 into bench_accum's config folder and register it with open_clip (in every
+    process: the rows' processes are spawned)."""
     import open_clip
 
     root = bench_config_dir()
@@ -121,7 +124,7 @@ def _entry(payload: dict) -> dict[str, Any]:
         ]  # fmt: skip
 
     def one_step(i: int, data: list) -> tuple[Any, float]:
-        """What the trainer runs per optimizer step; returns the result and the seconds of ``after_update``."""
+        """What the trainer runs per optimizer step; returns its result and ``after_update``'s seconds."""
         result = run.train(data, step=first + i)
         t = time.perf_counter()
         if not result.skipped:
@@ -160,7 +163,8 @@ def _entry(payload: dict) -> dict[str, Any]:
     stage = run.engine.zero_optimization_stage()
     run.engine.destroy()
     return {
-        "step_s": times, "cpu_s": cpu_times, "after_update_s": after_times, "peak_mib": peak, "base_mib": base,
+        "step_s": times, "cpu_s": cpu_times, "after_update_s": after_times, "peak_mib": peak,
+        "base_mib": base,
         "loss": float(result.loss), "parts": parts, "selfsup": bool(rt is not None and rt.selfsup),
         "first_step": first, "params": trained, "siglip2_params": added, "teacher_params": teacher,
         "zero_stage": int(stage), "phases_s": phases, "flops": flops,
@@ -182,9 +186,9 @@ def _phases(step) -> dict[str, float]:
 
 
 def _forward_flops(model, pairs) -> float:
-    """FLOPs per pair of one training-mode forward (the objective's terms included: after the start, the views,
-    the teacher and the heads too) in matrix products and convolutions (torch's FlopCounterMode), without a graph
-    (the counter's backward hooks do not run under the step's autograd.grad)."""
+    """FLOPs per pair of one training-mode forward (the objective's terms included: after the start, the
+    views, the teacher and the heads too) in matrix products and convolutions (torch's FlopCounterMode),
+    without a graph (the counter's backward hooks do not run under the step's autograd.grad)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -275,8 +279,9 @@ def _ratio(x: float | None) -> str:
 
 def markdown(summary: list[dict[str, Any]], counted: dict[str, dict[str, float]] | None = None) -> str:
     lines = [
-        "| model | k | N | step | s/step (CPU s) | × --siglip (CPU) | of it: teacher EMA s | peak (step's own) MiB | "
-        "trained params M (added) | teacher params M | forward GFLOP/pair (× --siglip) |",
+        "| model | k | N | step | s/step (CPU s) | × --siglip (CPU) | of it: teacher EMA s | "
+        "peak (step's own) MiB | trained params M (added) | teacher params M | "
+        "forward GFLOP/pair (× --siglip) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary:
@@ -325,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phases", action="store_true", help="then one profiled step per row: seconds per phase")
     p.add_argument(
         "--siglip2-flag", dest="siglip2_flags", action="append", default=[], metavar="FLAG",
-        help="one more ds-clip-train flag for the --siglip2 rows (repeat: --siglip2-flag=--siglip2-local-views=2)",
+        help="one more ds-clip-train flag for the --siglip2 rows (repeatable): "
+        "--siglip2-flag=--siglip2-local-views=2",
     )  # fmt: skip
     p.add_argument(
         "--count-flops", nargs="+", default=[], metavar="MODEL",
@@ -367,12 +373,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(runs)
     table = markdown(summary, counted)
     print(table)
-    print(
-        f"\n{machine['date']} | load {machine['loadavg']} -> {machine['loadavg_after']} | {machine['wall_s']} s"
-    )
+    load = f"load {machine['loadavg']} -> {machine['loadavg_after']}"
+    print(f"\n{machine['date']} | {load} | {machine['wall_s']} s")
     if a.json:
+        given = argv if argv is not None else sys.argv[1:]
         report = {
-            "command": "python benchmarks/bench_siglip2.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": "python benchmarks/bench_siglip2.py " + " ".join(given),
             "machine": machine, "summary": summary, "counted_flops": counted, "table": table, "runs": runs,
         }  # fmt: skip
         a.json.write_text(json.dumps(report, indent=1))

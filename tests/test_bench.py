@@ -219,8 +219,9 @@ def test_siglip2_bad_arguments_name_the_flag(capsys, argv, flag):
 
 @pytest.mark.slow
 def test_siglip2_after_the_start_trains_every_term_and_reports(tmp_path, capsys):
-    """benchmarks/bench_siglip2.py: one row past the self-supervised start (small heads, two local views) times a
-    step whose objective holds all four terms, with the teacher's EMA after it, and counts what --siglip2 adds."""
+    """benchmarks/bench_siglip2.py: one row past the self-supervised start (small heads, two local views) times
+    a step whose objective holds all four terms, with the teacher's EMA after it, and counts what --siglip2
+    adds."""
     from benchmarks import bench_siglip2
 
     out = tmp_path / "siglip2.json"
