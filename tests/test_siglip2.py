@@ -62,7 +62,9 @@ def _group(model: str, logs: Path, shards: str) -> None:
     for z in STAGES:
         report = ["--report-to", "csv,tensorboard,wandb"] if z == 3 else []
         # Saved where the resumed run starts (and at the end, as every run is).
-        _train(_args(model, logs, shards, f"full_z{z}", z, "--save-every-n-steps", str(RESUME_AT[z]), *report))
+        _train(
+            _args(model, logs, shards, f"full_z{z}", z, "--save-every-n-steps", str(RESUME_AT[z]), *report)
+        )
         resume = ["--resume", str(_ckpt(logs, f"full_z{z}", RESUME_AT[z]))]
         _train(_args(model, logs, shards, f"res_z{z}", z, *resume))
 
