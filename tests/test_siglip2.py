@@ -14,7 +14,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import random
 from pathlib import Path
 
@@ -90,18 +89,10 @@ def runs(tmp_path_factory) -> dict:
     # The trainer's tiny open_clip ViT with SigLIP's learnable bias.
     (model_dir / "open_clip_config.json").write_text(json.dumps({"model_cfg": MODEL, "preprocess_cfg": {}}))
     model, logs = f"local-dir:{model_dir}", root / "logs"
-    saved = {k: os.environ.get(k) for k in WANDB_ENV}
-    os.environ.update(
-        WANDB_ENV
-    )  # the spawned ranks inherit it: W&B writes its offline run under the run folder
-    try:
+    with pytest.MonkeyPatch.context() as env:
+        for k, v in WANDB_ENV.items():  # the spawned ranks inherit it: W&B writes offline into the run folder
+            env.setenv(k, v)
         spawn_group(2, _group, model, logs, _shards(root))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return {"logs": logs, "model": model}
 
 

@@ -112,22 +112,21 @@ def _locca(
     model: nn.Module, rt: Siglip2Runtime, tokens: torch.Tensor, text: torch.Tensor
 ) -> list[torch.Tensor]:
     """[token-loss sum, target-token count, region rows] of the decoder on this micro-batch's rows: row 0 (the
-    caption) of every sample, the others (referring expression, grounded caption) where present (not all 0)."""
+    caption) of every sample, the others (referring expression, grounded caption) where present (not all 0).
+    An absent row runs through the decoder with every target ignored: leaving it out would be a boolean index,
+    a host sync in every micro-batch's forward."""
     rows = text if text.dim() == 3 else text[:, None]
     b, r, length = rows.shape
-    # Drawn for every sample, before any row is left out: the same numbers whatever the data holds.
-    parallel = torch.rand(b) < rt.parallel_fraction
+    parallel = (torch.rand(b) < rt.parallel_fraction).to(rows.device)
     flat = rows.reshape(b * r, length)
-    owner = torch.arange(b, device=rows.device).repeat_interleave(r)
     is_caption = torch.arange(b * r, device=rows.device) % r == 0
-    keep = is_caption | flat.ne(0).any(dim=1)
-    rows_kept, owner_kept = flat[keep], owner[keep]
-    par = (parallel.to(rows.device)[owner] & is_caption)[keep]
-    logits = model.siglip2.decoder(tokens[owner_kept], rows_kept, par)
-    labels = rows_kept[:, 1:]
+    present = is_caption | flat.ne(0).any(dim=1)
+    par = parallel.repeat_interleave(r) & is_caption
+    logits = model.siglip2.decoder(tokens.repeat_interleave(r, dim=0), flat, par)
+    labels = torch.where(present[:, None], flat[:, 1:], torch.full_like(flat[:, 1:], rt.pad_id))
     total = chunked_token_loss_sum(logits, labels, rt.pad_id)
     count = (labels != rt.pad_id).sum()
-    return [total.double(), count.double(), (keep & ~is_caption).sum().double()]
+    return [total.double(), count.double(), (present & ~is_caption).sum().double()]
 
 
 def _distill(
@@ -147,8 +146,8 @@ def _selfsup(
     tokens_at, prefix = token_module(visual)
     global_view = views.crops(image, 1, views.GLOBAL_SCALE)
     local = views.crops(image, rt.local_views, views.LOCAL_SCALE)
-    mask = views.patch_mask(b, num_patches(visual), rt.mask_ratio, image.device)
-    t_global, t_patch = teacher(global_view, mask)
+    mask, index = views.patch_mask(b, num_patches(visual), rt.mask_ratio, image.device)
+    t_global, t_patch = teacher(global_view, index)
     with without_patch_dropout(visual):
         # SILC: each local view of a sample against the teacher's global view of it.
         s_local = parts.global_head(visual(local))
@@ -156,7 +155,7 @@ def _selfsup(
         with masked(embed_module(visual), parts.masker, mask), captured(tokens_at, b) as grab:
             visual(global_view)
     silc = _distill(s_local, t_global.repeat_interleave(rt.local_views, dim=0), teacher.center_global, rt)
-    s_patch = parts.patch_head(grab.output[:, prefix:][mask])
+    s_patch = parts.patch_head(views.masked_rows(grab.output[:, prefix:], index))
     tips = _distill(s_patch, t_patch, teacher.center_patch, rt)
     n_local, n_patch = float(s_local.shape[0]), float(s_patch.shape[0])
     center = torch.cat([t_global.sum(0), t_patch.sum(0), t_global.new_tensor([float(b), n_patch])]).double()

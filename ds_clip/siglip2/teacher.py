@@ -25,6 +25,7 @@ from torch import nn
 
 from ds_clip import distributed
 from ds_clip.siglip2.towers import captured, token_module
+from ds_clip.siglip2.views import masked_rows
 
 logger = logging.getLogger("ds_clip")
 
@@ -42,11 +43,12 @@ class TeacherNet(nn.Module):
         super().__init__()
         self.visual, self.global_head, self.patch_head = visual, global_head, patch_head
 
-    def forward(self, image: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, image: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``index`` [B, n]: each image's masked patch positions (``views.patch_mask``)."""
         module, prefix = token_module(self.visual)
         with captured(module, image.shape[0]) as grab:
             pooled = self.visual(image)
-        return self.global_head(pooled), self.patch_head(grab.output[:, prefix:][mask])
+        return self.global_head(pooled), self.patch_head(masked_rows(grab.output[:, prefix:], index))
 
 
 class EmaTeacher:
@@ -97,9 +99,9 @@ class EmaTeacher:
         else:
             self.net.to(device)
 
-    def __call__(self, image: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, image: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
-            return self.runner(image.float(), mask)
+            return self.runner(image.float(), index)
 
     @property
     def visual(self) -> nn.Module:
@@ -220,6 +222,3 @@ class EmaTeacher:
         with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=self.partitioned):
             if not self.partitioned or distributed.rank() == 0:
                 self.net.load_state_dict(weights)
-
-    def describe(self) -> str:
-        return "SigLIP 2 teacher " + ("restored" if self.ready else "not started yet")

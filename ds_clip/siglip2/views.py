@@ -51,9 +51,19 @@ def crops(images: torch.Tensor, count: int, scale: tuple[float, float]) -> torch
     return torch.cat(out)
 
 
-def patch_mask(batch: int, patches: int, ratio: float, device: torch.device) -> torch.Tensor:
-    """[B, P] bool: round(ratio * P) positions per image, uniformly at random (the same count in every image,
-    so the term's normaliser is known without a collective)."""
+def patch_mask(
+    batch: int, patches: int, ratio: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """round(ratio * P) positions per image, uniformly at random: as a [B, P] bool mask (what the masker
+    rewrites) and as their indices [B, n] in increasing order (what ``masked_rows`` reads). The same count in every
+    image: the term's normaliser is known without a collective, and no boolean indexing waits for the device."""
     masked = max(1, round(ratio * patches))
     order = torch.stack([torch.randperm(patches) for _ in range(batch)])
-    return (order < masked).to(device)
+    index = order.argsort(dim=1)[:, :masked].sort(dim=1).values
+    return (order < masked).to(device), index.to(device)
+
+
+def masked_rows(tokens: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The rows of ``tokens`` [B, P, D] at ``index`` [B, n], as [B * n, D] (a gather: no host sync)."""
+    picked = tokens.gather(1, index[:, :, None].expand(-1, -1, tokens.shape[-1]))
+    return picked.reshape(-1, tokens.shape[-1])
